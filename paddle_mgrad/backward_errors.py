@@ -1,0 +1,70 @@
+"""Deliver :class:`RecomputeError` from backward with its own type.
+
+Recomputation runs inside Paddle's C++ backward engine (from an unpack hook),
+which turns any Python exception into ``OSError: (External) ...`` and, on
+Paddle 2.6 and 3.x alike, leaves grad mode *disabled* after the failed
+backward.  We record the error before raising it, and thin wrappers around
+``Tensor.backward`` and ``paddle.autograd.backward`` re-raise the recorded
+error (chained to Paddle's) and switch grad mode back on.  The wrappers are
+pass-throughs otherwise; they are installed by the first recompute call and
+removed by :func:`paddle_mgrad.disable`.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+from ._compat import paddle, tracer
+
+_state = threading.local()
+_originals: dict = {}
+
+
+def record(error: BaseException):
+    if getattr(_state, "error", None) is None:
+        _state.error = error
+
+
+def _wrap(orig):
+    @functools.wraps(orig)
+    def backward(*args, **kwargs):
+        depth = getattr(_state, "depth", 0)
+        if depth == 0:
+            _state.error = None
+        _state.depth = depth + 1
+        has_grad = tracer()._has_grad
+        try:
+            return orig(*args, **kwargs)
+        except Exception as e:
+            err = getattr(_state, "error", None)
+            if err is None or e is err:
+                raise
+            tracer()._has_grad = has_grad
+            raise err from e
+        finally:
+            _state.depth = depth
+            if depth == 0:
+                _state.error = None
+
+    backward.__wrapped_by_paddle_mgrad__ = True
+    return backward
+
+
+def install():
+    if _originals:
+        return
+    _originals["Tensor.backward"] = paddle.Tensor.backward
+    _originals["autograd.backward"] = paddle.autograd.backward
+    paddle.Tensor.backward = _wrap(paddle.Tensor.backward)
+    paddle.autograd.backward = _wrap(paddle.autograd.backward)
+
+
+def uninstall():
+    if not _originals:
+        return
+    paddle.Tensor.backward = _originals.pop("Tensor.backward")
+    paddle.autograd.backward = _originals.pop("autograd.backward")
+
+
+def installed() -> bool:
+    return bool(_originals)

@@ -1,0 +1,97 @@
+"""Capture and restore every random state a recomputed block can consume.
+
+Recomputation must replay dropout masks bit for bit.  Paddle 3.x does this for
+CPU, GPU, XPU and custom devices; Paddle 2.6's non-reentrant recompute raises
+``RuntimeError: ... not support current device: cpu`` instead.  We capture:
+
+* the CPU generator (always: CPU-side sampling happens on GPU machines too),
+* the current accelerator's generators (GPU / XPU / custom device),
+* fleet's model-parallel RNG tracker (``get_rng_state_tracker``),
+* numpy's and Python's global generators (as Paddle 3.x does),
+* the user-registered custom state of Paddle 3.x's ``custom_state_manager``.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+
+from ._compat import core, paddle
+
+
+def _custom_state_funcs():
+    try:
+        from paddle.distributed.fleet.recompute import recompute as _r
+    except ImportError:  # pragma: no cover
+        return None, None
+    mgr = getattr(_r, "custom_state_manager", None)
+    if mgr is None or mgr.custom_get_state_func is None:
+        return None, None
+    return mgr.custom_get_state_func, mgr.custom_set_state_func
+
+
+def _tracker():
+    from paddle.distributed.fleet.meta_parallel.parallel_layers.random import (
+        get_rng_state_tracker,
+    )
+
+    return get_rng_state_tracker()
+
+
+class RNGState:
+    """A snapshot of all generators; ``restored()`` replays it temporarily."""
+
+    __slots__ = ("cpu", "device_kind", "device", "device_state", "tracker",
+                 "numpy", "python", "custom", "_custom_set")
+
+    def __init__(self):
+        self.cpu = core.default_cpu_generator().get_state()
+        dev = paddle.get_device()
+        self.device = dev
+        if dev.startswith("gpu"):
+            self.device_kind = "gpu"
+            self.device_state = paddle.get_cuda_rng_state()
+        elif dev.startswith("xpu"):
+            self.device_kind = "xpu"
+            self.device_state = paddle.get_rng_state()
+        elif dev.split(":")[0] in paddle.device.get_all_custom_device_type():
+            self.device_kind = "custom"
+            self.device_state = paddle.get_rng_state(dev)
+        else:
+            self.device_kind = "cpu"
+            self.device_state = None
+        self.tracker = _tracker().get_states_tracker()
+        self.numpy = np.random.get_state()
+        self.python = random.getstate()
+        get_custom, set_custom = _custom_state_funcs()
+        self.custom = get_custom() if get_custom is not None else None
+        self._custom_set = set_custom
+
+    def _apply(self):
+        core.default_cpu_generator().set_state(self.cpu)
+        if self.device_kind == "gpu":
+            paddle.set_cuda_rng_state(self.device_state)
+        elif self.device_kind == "xpu":
+            paddle.set_rng_state(self.device_state)
+        elif self.device_kind == "custom":
+            paddle.set_rng_state(self.device_state, self.device)
+        _tracker().set_states_tracker(self.tracker)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+        if self._custom_set is not None and self.custom is not None:
+            self._custom_set(self.custom)
+
+    @contextlib.contextmanager
+    def restored(self):
+        """Run the body with this snapshot's state, then put back the current one."""
+        current = RNGState()
+        self._apply()
+        try:
+            yield
+        finally:
+            current._apply()
+
+
+def capture() -> RNGState:
+    return RNGState()

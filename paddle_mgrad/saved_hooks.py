@@ -1,0 +1,117 @@
+"""Nestable saved-tensor hooks, and ``save_for_backward(..., None)`` on Paddle 2.6.
+
+Paddle allows one pair of saved-tensor hooks at a time
+(``core.eager.register_saved_tensors_hooks`` raises when a pair is already
+registered, and ``reset`` clears it), so a recompute inside a recompute fails
+with Paddle's own context manager.  :func:`hooks` keeps a stack: entering
+replaces the active pair, leaving re-registers the enclosing one.
+
+Paddle 2.6's ``PyLayerContext.save_for_backward`` stores its arguments into a
+C++ ``container`` whose setter calls the pack hook on every element and raises
+``ValueError: save_for_backward only support Tensor, list of Tensor, tuple of
+Tensor`` for ``None`` when a hook is active.  :func:`install_none_shim` wraps
+the two methods: ``None`` entries are kept out of the container and put back,
+in place, by ``saved_tensor``.  The shim is a pure pass-through for contexts
+that saved no ``None``; it also tells the pack hook that the tensors come from
+a PyLayer (see ``recomputation._Frame.pack``: on 2.6 the C++ side of an
+ordinary op *moves* the buffer out of whatever the unpack hook returns, so only
+PyLayer saves may be given back as the original object).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ._compat import IS_PADDLE_2, core
+
+_stack: list = []
+_local = threading.local()
+
+
+def in_pylayer_save() -> bool:
+    """True while a PyLayer's ``save_for_backward`` runs the pack hook (2.6 shim only)."""
+    return getattr(_local, "pylayer_save", False)
+
+
+@contextlib.contextmanager
+def hooks(pack, unpack):
+    if _stack:
+        core.eager.reset_saved_tensors_hooks()
+    try:
+        core.eager.register_saved_tensors_hooks(pack, unpack)
+    except Exception as e:  # another (non-paddle_mgrad) hook pair is active
+        if _stack:
+            core.eager.register_saved_tensors_hooks(*_stack[-1])
+        from .errors import RecomputeError
+
+        raise RecomputeError(
+            "paddle_mgrad.recompute could not install its saved-tensor hooks because "
+            "another pair (paddle.autograd.saved_tensors_hooks, or Paddle's own "
+            "recompute) is active; call paddle_mgrad.enable() so that Paddle's "
+            f"recompute is ours, or do not nest them. Paddle said: {e}"
+        ) from e
+    _stack.append((pack, unpack))
+    try:
+        yield
+    finally:
+        _stack.pop()
+        core.eager.reset_saved_tensors_hooks()
+        if _stack:
+            core.eager.register_saved_tensors_hooks(*_stack[-1])
+
+
+# ---------------------------------------------------------------- Paddle 2.6
+_NONE_MASK = "_paddle_mgrad_none_mask"
+_originals: dict = {}
+
+
+def _ctx_class():
+    from paddle.autograd.py_layer import PyLayerContext
+
+    return PyLayerContext
+
+
+def _save_for_backward(self, *tensors):
+    if any(t is None for t in tensors):
+        setattr(self, _NONE_MASK, tuple(t is None for t in tensors))
+        tensors = tuple(t for t in tensors if t is not None)
+    elif hasattr(self, _NONE_MASK):
+        delattr(self, _NONE_MASK)
+    _local.pylayer_save = True
+    try:
+        _originals["save_for_backward"](self, *tensors)
+    finally:
+        _local.pylayer_save = False
+
+
+def _saved_tensor(self):
+    saved = _originals["saved_tensor"](self)
+    mask = getattr(self, _NONE_MASK, None)
+    if mask is None:
+        return saved
+    it = iter(saved if saved is not None else ())
+    return tuple(None if is_none else next(it) for is_none in mask)
+
+
+def none_shim_needed() -> bool:
+    return IS_PADDLE_2
+
+
+def install_none_shim() -> bool:
+    """Install the 2.6 shim once; returns True if it is (now) installed."""
+    if not none_shim_needed():
+        return False
+    cls = _ctx_class()
+    if "save_for_backward" not in _originals:
+        _originals["save_for_backward"] = cls.save_for_backward
+        _originals["saved_tensor"] = cls.saved_tensor
+        cls.save_for_backward = _save_for_backward
+        cls.saved_tensor = _saved_tensor
+    return True
+
+
+def uninstall_none_shim():
+    if "save_for_backward" in _originals:
+        cls = _ctx_class()
+        cls.save_for_backward = _originals.pop("save_for_backward")
+        cls.saved_tensor = _originals.pop("saved_tensor")

@@ -1,0 +1,63 @@
+"""Build/install paddle_mgrad.
+
+Paddle is not a hard requirement (choose ``paddlepaddle`` or
+``paddlepaddle-gpu`` yourself); extras pin the combinations we test:
+
+    pip install .[paddle3,test]      # Paddle 3.3.1 (CPU)
+    pip install .[paddle26,test]     # Paddle 2.6.2 (CPU) + its pins
+
+The C++/CUDA sources in ``csrc/`` are shipped inside the package and compiled
+on first use (JIT, cached per user).  ``PADDLE_MGRAD_BUILD_OPS=1 pip install
+--no-build-isolation .`` compiles them ahead of time into the wheel instead
+(needs Paddle and a compiler at install time).
+"""
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPy(build_py):
+    """Copy ``csrc/`` into the package and, on request, prebuild the op."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "paddle_mgrad", "_csrc")
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(os.path.join(HERE, "csrc"), dst)
+        if os.environ.get("PADDLE_MGRAD_BUILD_OPS", "0") not in ("", "0"):
+            import zlib  # noqa: F401  (before paddle, for Paddle 2.6)
+
+            sys.path.insert(0, self.build_lib)
+            from paddle_mgrad.ops import _build
+
+            _build.build_into(os.path.join(self.build_lib, "paddle_mgrad", "_prebuilt"))
+
+
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    long_description = f.read()
+
+setup(
+    name="paddle_mgrad",
+    version="0.1.0",
+    description="fp32 main_grad that survives recompute, and a fused linear that "
+    "accumulates weight gradients in place, for PaddlePaddle LLM training",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["paddle_mgrad", "paddle_mgrad.*"]),
+    python_requires=">=3.8",
+    install_requires=["numpy"],
+    extras_require={
+        "paddle3": ["paddlepaddle==3.3.1"],
+        "paddle26": ["paddlepaddle==2.6.2", "numpy<2", "protobuf<5"],
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "nlp": ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26",
+                "datasets<3", "pyarrow<19"],
+    },
+    cmdclass={"build_py": BuildPy},
+    zip_safe=False,
+)
