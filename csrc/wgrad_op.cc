@@ -1,0 +1,179 @@
+// Paddle binding of the fused weight-gradient op:
+//
+//   pmg_fused_wgrad_add(x, dout, dweight?, dbias?, multi_precision, has_bias)
+//     -> (dweight_out, dbias_out)
+//
+// (No "_grad" in op names: Paddle's registry takes "<op>_grad" for a gradient op.)
+//
+// Semantics follow Paddle's GPU-only `_C_ops.fused_linear_param_grad_add`:
+// x [..., K], dout [..., N] with the same leading dims; a given dweight [K, N]
+// / dbias [N] is updated in place (beta = 1) and returned as the output (same
+// allocation); a missing one is allocated (beta = 0).  With multi_precision,
+// allocated accumulators are fp32.  When has_bias is false dbias_out is a
+// [1] placeholder (the Python wrapper returns None).
+//
+// The Python wrapper validates first and raises FusedLinearError with the
+// offending shapes; the PD_CHECKs here guard direct callers of the raw op.
+#include <string>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "wgrad_core.h"
+
+#ifdef PMG_WITH_CUDA
+#include "wgrad_cuda.h"
+#endif
+
+namespace {
+
+pmg::DType to_pmg(paddle::DataType t, const char* what) {
+  switch (t) {
+    case paddle::DataType::FLOAT32: return pmg::DType::kF32;
+    case paddle::DataType::BFLOAT16: return pmg::DType::kBF16;
+    case paddle::DataType::FLOAT16: return pmg::DType::kF16;
+    default: break;
+  }
+  PD_CHECK(false, what, " must be float32, bfloat16 or float16");
+  return pmg::DType::kF32;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+int64_t leading(const std::vector<int64_t>& s) {
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < s.size(); ++i) m *= s[i];
+  return m;
+}
+
+paddle::DataType acc_dtype(paddle::DataType in, bool multi_precision) {
+  return multi_precision ? paddle::DataType::FLOAT32 : in;
+}
+
+std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Tensor& dout,
+                                       const paddle::optional<paddle::Tensor>& dweight,
+                                       const paddle::optional<paddle::Tensor>& dbias,
+                                       bool multi_precision, bool has_bias) {
+  const auto xs = x.shape(), ys = dout.shape();
+  PD_CHECK(xs.size() >= 2 && ys.size() == xs.size(), "x ", shape_str(xs), " and dout ",
+           shape_str(ys), " must have the same rank >= 2");
+  for (size_t i = 0; i + 1 < xs.size(); ++i)
+    PD_CHECK(xs[i] == ys[i], "leading dims of x ", shape_str(xs), " and dout ", shape_str(ys),
+             " differ");
+  PD_CHECK(x.dtype() == dout.dtype(), "x and dout dtypes differ");
+  const int64_t M = leading(xs), K = xs.back(), N = ys.back();
+  const pmg::DType in_t = to_pmg(x.dtype(), "x");
+
+  paddle::Tensor dw_out, db_out;
+  pmg::WgradArgs a;
+  a.x = x.data();
+  a.dy = dout.data();
+  a.in_dtype = in_t;
+  a.M = M;
+  a.K = K;
+  a.N = N;
+  if (dweight) {
+    dw_out = *dweight;
+    PD_CHECK(dw_out.shape() == std::vector<int64_t>({K, N}), "dweight ",
+             shape_str(dw_out.shape()), " must be [K, N] = ", shape_str({K, N}));
+    a.dw_beta = 1.f;
+  } else {
+    dw_out = paddle::empty({K, N}, acc_dtype(x.dtype(), multi_precision), x.place());
+    a.dw_beta = 0.f;
+  }
+  a.dw = dw_out.data();
+  a.dw_dtype = to_pmg(dw_out.dtype(), "dweight");
+  PD_CHECK(a.dw_dtype == pmg::DType::kF32 || a.dw_dtype == in_t,
+           "dweight must be float32 or the dtype of x");
+  if (has_bias) {
+    if (dbias) {
+      db_out = *dbias;
+      PD_CHECK(db_out.shape() == std::vector<int64_t>({N}), "dbias ", shape_str(db_out.shape()),
+               " must be [N] = ", shape_str({N}));
+      a.db_beta = 1.f;
+    } else {
+      db_out = paddle::empty({N}, acc_dtype(x.dtype(), multi_precision), x.place());
+      a.db_beta = 0.f;
+    }
+    a.db = db_out.data();
+    a.db_dtype = to_pmg(db_out.dtype(), "dbias");
+    PD_CHECK(a.db_dtype == pmg::DType::kF32 || a.db_dtype == in_t,
+             "dbias must be float32 or the dtype of x");
+  } else {
+    // A one-element placeholder: Paddle 2.6 rejects zero-size custom-op outputs
+    // as "not initialized".  The Python wrapper returns None instead.
+    db_out = paddle::empty({1}, acc_dtype(x.dtype(), multi_precision), x.place());
+  }
+
+  std::string err;
+  if (x.is_cpu()) {
+    err = pmg::wgrad_cpu(a);
+#ifdef PMG_WITH_CUDA
+  } else if (x.is_gpu()) {
+    err = pmg::wgrad_cuda(a, x.stream(), x.place().GetDeviceId());
+#endif
+  } else {
+    PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: unsupported place");
+  }
+  PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
+  return {dw_out, db_out};
+}
+
+std::vector<std::vector<int64_t>> FusedWgradInferShape(
+    const std::vector<int64_t>& x_shape, const std::vector<int64_t>& dout_shape,
+    const paddle::optional<std::vector<int64_t>>& dweight_shape,
+    const paddle::optional<std::vector<int64_t>>& dbias_shape, bool multi_precision,
+    bool has_bias) {
+  const int64_t K = x_shape.back(), N = dout_shape.back();
+  return {{K, N}, {has_bias ? N : 1}};
+}
+
+std::vector<paddle::DataType> FusedWgradInferDtype(
+    const paddle::DataType& x_dtype, const paddle::DataType& dout_dtype,
+    const paddle::optional<paddle::DataType>& dweight_dtype,
+    const paddle::optional<paddle::DataType>& dbias_dtype, bool multi_precision,
+    bool has_bias) {
+  const auto acc = acc_dtype(x_dtype, multi_precision);
+  return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
+}
+
+// A tiny op that reports the GEMM backend compiled in (1 = oneDNN, 0 = portable).
+std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
+  auto out = paddle::empty({2}, paddle::DataType::INT32, paddle::CPUPlace());
+  int* p = out.data<int>();
+  p[0] = std::string(pmg::cpu_gemm_backend()) == "onednn" ? 1 : 0;
+#ifdef PMG_WITH_CUDA
+  p[1] = 1;
+#else
+  p[1] = 0;
+#endif
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> BackendInfoInferShape(const std::vector<int64_t>&) {
+  return {{2}};
+}
+
+std::vector<paddle::DataType> BackendInfoInferDtype(const paddle::DataType&) {
+  return {paddle::DataType::INT32};
+}
+
+}  // namespace
+
+PD_BUILD_OP(pmg_fused_wgrad_add)
+    .Inputs({"X", "DOut", paddle::Optional("DWeight"), paddle::Optional("DBias")})
+    .Outputs({"DWeightOut", "DBiasOut"})
+    .Attrs({"multi_precision: bool", "has_bias: bool"})
+    .SetKernelFn(PD_KERNEL(FusedWgrad))
+    .SetInferShapeFn(PD_INFER_SHAPE(FusedWgradInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(FusedWgradInferDtype));
+
+PD_BUILD_OP(pmg_backend_info)
+    .Inputs({"Any"})
+    .Outputs({"Info"})
+    .SetKernelFn(PD_KERNEL(BackendInfo))
+    .SetInferShapeFn(PD_INFER_SHAPE(BackendInfoInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(BackendInfoInferDtype));

@@ -1,0 +1,54 @@
+"""Test matrix: each Paddle version in its own virtualenv with its pins.
+
+    pip install nox && nox -s tests      # the test suite on Paddle 3.3.1 and 2.6.2
+    pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
+"""
+import os
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+PADDLE_PINS = {
+    "3.3.1": ["paddlepaddle==3.3.1"],
+    # 2.6.2 wants numpy<2; fleet needs protobuf<5 ("hybrid_configs is not a attribute")
+    "2.6.2": ["paddlepaddle==2.6.2", "numpy<2", "protobuf<5"],
+}
+NLP_PINS = ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26", "datasets<3",
+            "pyarrow<19", "tqdm"]
+TEST_DEPS = ["pytest>=7", "hypothesis>=6", "wheel", "setuptools"]
+# Equal thread counts everywhere (Paddle forces 1 at import unless set).
+ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+       "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
+
+
+def _install(session, paddle_version, extra=()):
+    session.install(*PADDLE_PINS[paddle_version], *TEST_DEPS, *extra)
+    # Not editable: the tests run against the installed package (csrc shipped inside).
+    session.install("--no-build-isolation", ".")
+
+
+@nox.session
+@nox.parametrize("paddle", list(PADDLE_PINS))
+def tests(session, paddle):
+    """pytest on one Paddle version (both by default)."""
+    _install(session, paddle)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", *session.posargs, env=ENV)
+
+
+@nox.session
+@nox.parametrize("paddle", list(PADDLE_PINS))
+def nlp(session, paddle):
+    """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
+    _install(session, paddle, NLP_PINS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/nlp", *session.posargs,
+                env=dict(ENV, PADDLE_MGRAD_NLP="1"))
+
+
+@nox.session
+def demo(session):
+    """Main job: train the tiny llama with every flag on (Paddle 3.3.1, CPU)."""
+    _install(session, "3.3.1", NLP_PINS)
+    session.run("python", "examples/llama/run_pretrain.py", "--config",
+                "examples/llama/config_cpu.json", *session.posargs, env=ENV)
