@@ -10,6 +10,7 @@ from . import _compat  # noqa: F401  (imports zlib before paddle on 2.6)
 from .errors import FusedLinearError, RecomputeError
 from .patching import disable, enable, enabled
 from .recomputation import recompute
+from .linear import FusedLinearWithGradAdd, fused_linear
 
 __version__ = "0.1.0"
 
@@ -18,14 +19,3 @@ __all__ = [
     "FusedLinearError", "fused_linear", "FusedLinearWithGradAdd",
 ]
 
-
-def __getattr__(name):  # lazy: the fused linear may build a C++ op
-    if name in ("fused_linear", "FusedLinearWithGradAdd"):
-        from . import linear as _fl
-
-        return getattr(_fl, name)
-    if name == "ops":
-        import importlib
-
-        return importlib.import_module(".ops", __name__)
-    raise AttributeError(name)

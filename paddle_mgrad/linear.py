@@ -1,0 +1,166 @@
+"""A linear layer whose weight/bias gradients accumulate in place into fp32 ``main_grad``.
+
+Forward is Paddle's own ``linear``.  Backward computes ``dx = dy · Wᵀ`` and, for
+each of weight and bias that needs a gradient:
+
+* if the parameter has a ``main_grad`` attribute (``--amp_master_grad``,
+  ``MixPrecisionLayer``): the fused op accumulates ``xᵀ·dy`` (beta = 1) straight
+  into it, allocating it in fp32 **on the real parameter** when it is ``None``
+  (first micro-step); the PyLayer returns ``None`` for that gradient, so
+  ``param.grad`` stays ``None`` and the parameter's hooks still fire once;
+* otherwise, if ``param.grad`` exists: the op accumulates into it in place;
+* otherwise: a fresh gradient is returned (in the parameter's dtype).
+
+Recompute-proof: only ``x`` goes through ``ctx.save_for_backward`` (so that
+recompute may drop it); the parameters are kept on ``ctx`` as Python
+attributes, which no saved-tensor hook touches.  Paddle's non-reentrant
+recompute would hand back a ``<name>cpy`` copy without ``main_grad``; the
+attribute keeps the real object (like Megatron keeps what it needs on ``ctx``).
+Holding the parameter costs nothing: the model holds it anyway.
+"""
+from __future__ import annotations
+
+from ._compat import paddle
+from .errors import FusedLinearError
+from . import ops
+
+__all__ = ["FusedLinearWithGradAdd", "fused_linear"]
+
+# Counts backward passes (tests and the trainer's audit use it).
+stats = {"forward": 0, "backward": 0}
+
+
+def _original_linear():
+    from .patching import original
+
+    return original("linear")
+
+
+def _needs_grad(p) -> bool:
+    return p is not None and not p.stop_gradient
+
+
+def _accumulator(p):
+    """Where p's gradient goes: ('main_grad', t|None), ('grad', t) or ('fresh', None)."""
+    if hasattr(p, "main_grad"):
+        return "main_grad", p.main_grad
+    g = p.grad
+    if g is not None and (not hasattr(g, "_is_initialized") or g._is_initialized()):
+        return "grad", g
+    return "fresh", None
+
+
+def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
+    """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
+    want_w, want_b = _needs_grad(weight), _needs_grad(bias)
+    if not (want_w or want_b):
+        return None, None
+    if dy.dtype != x.dtype:
+        dy = dy.astype(x.dtype)
+    w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
+    b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
+    if w_kind == "grad" and w_acc.dtype != paddle.float32 and w_acc.dtype != x.dtype:
+        w_acc = None  # cannot accumulate across these dtypes in place: return fresh
+        w_kind = "fresh"
+    if w_kind == "main_grad" and w_acc is not None and w_acc.dtype != paddle.float32:
+        raise FusedLinearError(
+            f"{weight.name}.main_grad is {w_acc.dtype}, expected float32 (fp32 master gradient)")
+    # fp32 accumulators whenever the destination is main_grad or an fp32 .grad.
+    mp = w_kind == "main_grad" or (w_acc is not None and w_acc.dtype == paddle.float32) \
+        or weight.dtype == paddle.float32
+
+    dw = db = None
+    if want_w:
+        if transpose_weight:  # weight [N, K]: dW = dyᵀ · x
+            dw, _ = ops.fused_linear_param_grad_add(dy, x, w_acc, None, mp, False)
+        else:
+            fuse_bias = want_b and b_kind != "grad"
+            dw, db = ops.fused_linear_param_grad_add(
+                x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias)
+    if want_b and db is None:
+        db = dy.reshape([-1, dy.shape[-1]]).astype("float32").sum(axis=0)
+        if b_acc is not None:
+            b_acc.add_(db.astype(b_acc.dtype))
+            db = b_acc
+
+    out_w = out_b = None
+    if want_w:
+        if w_kind == "main_grad":
+            if weight.main_grad is None:
+                weight.main_grad = dw  # first micro-step: fp32, on the real parameter
+        elif w_kind == "fresh":
+            out_w = dw if dw.dtype == weight.dtype else dw.astype(weight.dtype)
+    if want_b:
+        if b_kind == "main_grad":
+            if bias.main_grad is None:
+                bias.main_grad = db if db.dtype == paddle.float32 else db.astype("float32")
+        elif b_kind == "fresh":
+            out_b = db if db.dtype == bias.dtype else db.astype(bias.dtype)
+    return out_w, out_b
+
+
+class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
+    """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None, name=None, transpose_weight=False):
+        if transpose_weight:
+            y = paddle.matmul(x, weight, transpose_y=True)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = _original_linear()(x, weight, bias)
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
+        ctx.bias = bias
+        ctx.transpose_weight = transpose_weight
+        ctx.x_needs_grad = not x.stop_gradient
+        stats["forward"] += 1
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensor()
+        weight, bias = ctx.weight, ctx.bias
+        stats["backward"] += 1
+        dx = None
+        if ctx.x_needs_grad:
+            dx = paddle.matmul(dy, weight, transpose_y=not ctx.transpose_weight)
+        with paddle.no_grad():
+            dw, db = _weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight)
+        if bias is None:
+            return dx, dw
+        return dx, dw, db
+
+
+def _validate(x, weight, bias, transpose_weight=False):
+    if len(weight.shape) != 2:
+        raise FusedLinearError(f"fused_linear: weight must be 2-D, got {list(weight.shape)}")
+    k = weight.shape[1] if transpose_weight else weight.shape[0]
+    n = weight.shape[0] if transpose_weight else weight.shape[1]
+    if x.shape[-1] != k:
+        raise FusedLinearError(
+            f"fused_linear: x {list(x.shape)} does not match weight {list(weight.shape)} "
+            f"(x's last dim must be {k})")
+    if bias is not None and list(bias.shape) != [n]:
+        raise FusedLinearError(f"fused_linear: bias {list(bias.shape)} must be [{n}]")
+
+
+def fused_linear(x, weight, bias=None, name=None):
+    """Drop-in for ``paddle.nn.functional.linear`` with fused in-place weight gradients."""
+    if (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
+            or not (_needs_grad(weight) or _needs_grad(bias)) or len(x.shape) < 2):
+        return _original_linear()(x, weight, bias, name)
+    _validate(x, weight, bias)
+    return FusedLinearWithGradAdd.apply(x, weight, bias)
+
+
+def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):
+    """Drop-in for ``paddle.incubate.nn.functional.fused_linear``."""
+    from .patching import original
+
+    if (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
+            or not (_needs_grad(weight) or _needs_grad(bias)) or len(x.shape) < 2):
+        return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)
+    _validate(x, weight, bias, transpose_weight)
+    return FusedLinearWithGradAdd.apply(x, weight, bias, None, transpose_weight)

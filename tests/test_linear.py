@@ -1,0 +1,189 @@
+"""FusedLinearWithGradAdd / fused_linear: main_grad accumulation under every recompute."""
+import numpy as np
+import paddle
+import pytest
+from paddle.distributed.fleet.utils import recompute as native_recompute
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+import paddle_mgrad
+from paddle_mgrad import FusedLinearError, FusedLinearWithGradAdd, fused_linear
+from paddle_mgrad import linear as L
+
+
+class Net(paddle.nn.Layer):
+    """Two fused linears with a tanh between; parameters read from self (closure)."""
+
+    def __init__(self, bias, d_in=12, d_hidden=20, d_out=6):
+        super().__init__()
+        self.a = paddle.nn.Linear(d_in, d_hidden, bias_attr=None if bias else False)
+        self.b = paddle.nn.Linear(d_hidden, d_out, bias_attr=None if bias else False)
+
+    def forward(self, x):
+        h = paddle.tanh(fused_linear(x, self.a.weight, self.a.bias))
+        return fused_linear(h, self.b.weight, self.b.bias)
+
+
+def plain_forward(net, x):
+    h = paddle.tanh(paddle.nn.functional.linear(x, net.a.weight, net.a.bias))
+    return paddle.nn.functional.linear(h, net.b.weight, net.b.bias)
+
+
+RECOMPUTES = {
+    "none": None,
+    "native_reentrant": lambda f, x: native_recompute(f, x, use_reentrant=True),
+    "native_non_reentrant": lambda f, x: native_recompute(f, x, use_reentrant=False,
+                                                         preserve_rng_state=False),
+    "ours_reentrant": lambda f, x: paddle_mgrad.recompute(f, x, use_reentrant=True),
+    "ours_non_reentrant": lambda f, x: paddle_mgrad.recompute(f, x, use_reentrant=False),
+}
+
+
+def _data(shape3d, n=4):
+    rs = np.random.RandomState(0)
+    shape = [2, 3, 12] if shape3d else [6, 12]
+    return [rs.standard_normal(shape).astype("float32") for _ in range(n)]
+
+
+def _reference(bias, data):
+    paddle.seed(42)
+    ref = Net(bias)
+    for x in data:
+        xt = paddle.to_tensor(x)
+        xt.stop_gradient = False
+        (plain_forward(ref, xt) ** 2).sum().backward()
+    return {p.name.split(".")[-1] + str(i): p.grad.numpy() for i, p in enumerate(ref.parameters())}
+
+
+@pytest.mark.parametrize("shape3d", [False, True], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("recompute", list(RECOMPUTES))
+def test_main_grad_over_micro_batches(recompute, bias, shape3d):
+    data = _data(shape3d)
+    ref = _reference(bias, data)
+    paddle.seed(42)
+    net = Net(bias)
+    model = MixPrecisionLayer(net, dtype="bfloat16")
+    fired = {p.name: 0 for p in net.parameters()}
+    for p in net.parameters():
+        p._register_backward_hook(lambda *_, name=p.name: fired.__setitem__(name, fired[name] + 1))
+    rc = RECOMPUTES[recompute]
+    before = L.stats["backward"]
+    for step, x in enumerate(data):
+        xt = paddle.to_tensor(x)
+        xt.stop_gradient = False
+        y = model(xt) if rc is None else rc(model, xt)
+        (y ** 2).sum().backward()
+        assert all(v == step + 1 for v in fired.values()), fired  # once per backward
+    assert L.stats["backward"] - before == 2 * len(data)  # the fused path really ran
+    for i, p in enumerate(net.parameters()):
+        assert p.grad is None, f"{p.name}.grad must stay None under main_grad"
+        assert p.main_grad is not None and p.main_grad.dtype == paddle.float32
+        want = ref[p.name.split(".")[-1] + str(i)]
+        np.testing.assert_allclose(p.main_grad.numpy(), want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
+
+
+def test_main_grad_allocated_on_real_parameter_and_reused_in_place():
+    net = Net(bias=True)
+    MixPrecisionLayer(net, dtype="bfloat16")
+    x = paddle.randn([4, 12])
+    x.stop_gradient = False
+    paddle_mgrad.recompute(net, x, use_reentrant=False).sum().backward()
+    ptrs = {p.name: p.main_grad.data_ptr() for p in net.parameters()}
+    paddle_mgrad.recompute(net, x, use_reentrant=False).sum().backward()
+    assert ptrs == {p.name: p.main_grad.data_ptr() for p in net.parameters()}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_parameters_get_grad_once(bias):
+    """Without main_grad: .grad equals plain autograd, first and later micro-steps."""
+    data = _data(True, n=3)
+    ref = _reference(bias, data)
+    paddle.seed(42)
+    net = Net(bias)
+    for x in data:
+        xt = paddle.to_tensor(x)
+        xt.stop_gradient = False
+        (net(xt) ** 2).sum().backward()
+    for i, p in enumerate(net.parameters()):
+        want = ref[p.name.split(".")[-1] + str(i)]
+        np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_dx_matches_plain_autograd():
+    paddle.seed(1)
+    net = Net(True)
+    x = paddle.randn([2, 3, 12])
+    x.stop_gradient = False
+    (net(x) ** 2).sum().backward()
+    g = x.grad.numpy()
+    x.clear_gradient()
+    (plain_forward(net, x) ** 2).sum().backward()
+    np.testing.assert_allclose(g, x.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_weight_and_input_without_grad():
+    lin = paddle.nn.Linear(5, 3)
+    lin.weight.stop_gradient = True
+    x = paddle.randn([4, 5])  # stop_gradient=True
+    fused_linear(x, lin.weight, lin.bias).sum().backward()
+    assert lin.weight.grad is None
+    np.testing.assert_allclose(lin.bias.grad.numpy(), np.full([3], 4.0), rtol=1e-6)
+
+
+def test_enable_routes_nn_linear_and_disable_restores():
+    orig = paddle.nn.functional.linear.__code__
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        lin = paddle.nn.Linear(6, 4)
+        MixPrecisionLayer(lin, dtype="bfloat16")
+        before = L.stats["backward"]
+        x = paddle.randn([3, 6])
+        x.stop_gradient = False
+        y = native_recompute(lin, x, use_reentrant=False)
+        y.sum().backward()
+        assert L.stats["backward"] == before + 1
+        assert lin.weight.grad is None
+        np.testing.assert_allclose(lin.weight.main_grad.numpy(),
+                                   x.numpy().T @ np.ones([3, 4], "float32"), rtol=1e-5)
+    finally:
+        paddle_mgrad.disable()
+    assert paddle.nn.functional.linear.__code__ is orig
+
+
+def test_incubate_fused_linear_transpose_weight():
+    from paddle.incubate.nn.functional import fused_linear as inc
+
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        w = paddle.create_parameter([4, 6], "float32")  # [N, K] with transpose_weight
+        b = paddle.create_parameter([4], "float32", is_bias=True)
+        w.main_grad = None
+        b.main_grad = None
+        x = paddle.randn([3, 6])
+        before = L.stats["backward"]
+        y = inc(x, w, b, transpose_weight=True)
+        y.sum().backward()
+        assert L.stats["backward"] == before + 1
+        dy = np.ones([3, 4], "float32")
+        np.testing.assert_allclose(w.main_grad.numpy(), dy.T @ x.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(b.main_grad.numpy(), dy.sum(0), rtol=1e-6)
+    finally:
+        paddle_mgrad.disable()
+
+
+def test_bad_shapes_raise():
+    w = paddle.create_parameter([5, 3], "float32")
+    with pytest.raises(FusedLinearError, match=r"\[4, 7\]"):
+        fused_linear(paddle.randn([4, 7]), w)
+    with pytest.raises(FusedLinearError, match=r"\[2\]"):
+        fused_linear(paddle.randn([4, 5]), w, paddle.create_parameter([2], "float32"))
+
+
+def test_pylayer_apply_directly():
+    w = paddle.create_parameter([5, 3], "float32")
+    w.main_grad = None
+    x = paddle.randn([2, 5])
+    FusedLinearWithGradAdd.apply(x, w).sum().backward()
+    np.testing.assert_allclose(w.main_grad.numpy(), x.numpy().T @ np.ones([2, 3]), rtol=1e-5)
+    assert w.grad is None
