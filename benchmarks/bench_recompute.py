@@ -1,0 +1,137 @@
+"""Step time and memory: no recompute vs Paddle's recompute vs paddle_mgrad.recompute.
+
+A stack of MLP blocks (Linear d->4d, GELU, Linear 4d->d, residual).  Each
+configuration runs in its own subprocess (clean allocator statistics), several
+rounds interleaved, so machine noise hits all of them alike; medians are
+printed as ratios against Paddle's own recompute in the same run.
+
+    python benchmarks/bench_recompute.py [--blocks 8 --hidden 512 --tokens 2048]
+
+Memory is Paddle's host allocator statistics: ``peak`` is the peak allocated
+during a training step, ``saved`` what stays allocated between the end of the
+forward and the start of backward (what recompute is for).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "paddle_reentrant",
+         "ours_reentrant"]
+
+
+def child(args):
+    import zlib  # noqa: F401
+    import time
+
+    import paddle
+    from paddle.base import core
+    from paddle.distributed.fleet.utils import recompute as paddle_recompute
+
+    import paddle_mgrad
+
+    paddle.seed(0)
+    d, blocks = args.hidden, args.blocks
+
+    class Block(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.up = paddle.nn.Linear(d, 4 * d)
+            self.down = paddle.nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.down(paddle.nn.functional.gelu(self.up(x)))
+
+    net = paddle.nn.LayerList([Block() for _ in range(blocks)])
+    mode = args.child
+    rc = None
+    if mode != "none":
+        impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
+        reentrant = mode.endswith("_reentrant") and not mode.endswith("non_reentrant")
+        preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
+
+        def rc(f, x):
+            return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve)
+
+    x0 = paddle.randn([args.tokens, d])
+    times, peaks, saved = [], [], []
+    for step in range(args.warmup + args.steps):
+        x = x0.detach()
+        x.stop_gradient = False
+        base = core.host_memory_stat_current_value("Allocated", 0)
+        if hasattr(core, "host_memory_stat_reset_peak_value"):
+            core.host_memory_stat_reset_peak_value("Allocated", 0)
+        t0 = time.perf_counter()
+        h = x
+        for b in net:
+            h = b(h) if rc is None else rc(b, h)
+        loss = h.mean()
+        after_fwd = core.host_memory_stat_current_value("Allocated", 0)
+        loss.backward()
+        for p in net.parameters():
+            p.clear_gradient()
+        t1 = time.perf_counter()
+        if step >= args.warmup:
+            times.append(t1 - t0)
+            peaks.append(core.host_memory_stat_peak_value("Allocated", 0) - base)
+            saved.append(after_fwd - base)
+    print(json.dumps({"mode": mode, "time": statistics.median(times),
+                      "peak": max(peaks), "saved": max(saved)}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", default=None)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    res = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for m in MODES:
+            cmd = [sys.executable, __file__, "--child", m] + [
+                f"--{k}={getattr(args, k)}" for k in ("blocks", "hidden", "tokens", "steps", "warmup")]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                res[m].append(None)
+                print(f"{m}: failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                continue
+            res[m].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    import paddle  # noqa: E402  (only for the version line)
+
+    print(f"paddle {paddle.__version__}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
+          f"{args.blocks} blocks, hidden {args.hidden}, tokens {args.tokens}, "
+          f"median of {args.rounds} rounds x {args.steps} steps")
+    summary = {}
+    for m in MODES:
+        ok = [r for r in res[m] if r]
+        if ok:
+            summary[m] = {"time": statistics.median(r["time"] for r in ok),
+                          "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
+    print(f"{'mode':24s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
+          f"{'peak/paddle':>12s}")
+    for m in MODES:
+        if m not in summary:
+            print(f"{m:24s} {'failed':>9s}")
+            continue
+        s = summary[m]
+        base = summary.get("paddle_reentrant" if m.endswith("_reentrant") and "non" not in m
+                           else "paddle_non_reentrant")
+        rt = f"{s['time'] / base['time']:.3f}" if base else "-"
+        rp = f"{s['peak'] / base['peak']:.3f}" if base else "-"
+        print(f"{m:24s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
+              f"{rt:>12s} {rp:>12s}")
+
+
+if __name__ == "__main__":
+    main()
