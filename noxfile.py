@@ -46,6 +46,25 @@ def nlp(session, paddle):
                 env=dict(ENV, PADDLE_MGRAD_NLP="1"))
 
 
+CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"  # headers only; matches the CUDA 13 nvcc here
+
+
+@nox.session(venv_backend="none")
+def cuda_compile(session):
+    """nvcc-compile the CUDA core (sm_80, sm_90, PTX) without a GPU."""
+    import glob
+    import zipfile
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "cuda-headers")
+    inc = os.path.join(root, "nvidia", "cu13", "include")
+    if not os.path.exists(os.path.join(inc, "cublasLt.h")):
+        session.run("python3", "-m", "pip", "download", "-q", "--no-deps", "-d", root, CUBLAS_WHEEL)
+        with zipfile.ZipFile(glob.glob(os.path.join(root, "nvidia_cublas-*.whl"))[0]) as z:
+            z.extractall(root, [n for n in z.namelist() if "/include/" in n])
+    session.run("python3", "benchmarks/gpu/bench_wgrad_gpu.py", "--compile-only", "--out",
+                os.path.join(root, "out"), env={"PMG_CUDA_INCLUDE": inc})
+
+
 @nox.session
 def demo(session):
     """Main job: train the tiny llama with every flag on (Paddle 3.3.1, CPU)."""

@@ -113,7 +113,7 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
     err = pmg::wgrad_cpu(a);
 #ifdef PMG_WITH_CUDA
   } else if (x.is_gpu()) {
-    err = pmg::wgrad_cuda(a, x.stream(), x.place().GetDeviceId());
+    err = pmg::wgrad_cuda(a, reinterpret_cast<void*>(x.stream()), x.place().GetDeviceId());
 #endif
   } else {
     PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: unsupported place");

@@ -1,0 +1,73 @@
+// A C ABI over the framework-free core, for ctypes (benchmarks/gpu/ and the
+// Paddle-free core tests).  dtype codes: 0 = float32, 1 = bfloat16, 2 = float16.
+// Returns 0 on success, else 1 with the message copied into err[err_len].
+#include <cstring>
+#include <string>
+
+#include "wgrad_core.h"
+#ifdef PMG_WITH_CUDA
+#include "wgrad_cuda.h"
+#endif
+
+namespace {
+
+pmg::WgradArgs make_args(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K,
+                         int64_t N, void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype,
+                         float db_beta) {
+  pmg::WgradArgs a;
+  a.x = x;
+  a.dy = dy;
+  a.in_dtype = static_cast<pmg::DType>(in_dtype);
+  a.M = M;
+  a.K = K;
+  a.N = N;
+  a.dw = dw;
+  a.dw_dtype = static_cast<pmg::DType>(dw_dtype);
+  a.dw_beta = dw_beta;
+  a.db = db;
+  a.db_dtype = static_cast<pmg::DType>(db_dtype);
+  a.db_beta = db_beta;
+  return a;
+}
+
+int finish(const std::string& msg, char* err, int err_len) {
+  if (msg.empty()) return 0;
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, msg.c_str(), static_cast<size_t>(err_len - 1));
+    err[err_len - 1] = '\0';
+  }
+  return 1;
+}
+
+bool valid_dtype(int d) { return d >= 0 && d <= 2; }
+
+}  // namespace
+
+extern "C" {
+
+const char* pmg_cpu_gemm_backend() { return pmg::cpu_gemm_backend(); }
+
+int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
+                    void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
+                    char* err, int err_len) {
+  if (!valid_dtype(in_dtype) || !valid_dtype(dw_dtype) || !valid_dtype(db_dtype))
+    return finish("dtype code must be 0 (float32), 1 (bfloat16) or 2 (float16)", err, err_len);
+  return finish(pmg::wgrad_cpu(make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db,
+                                         db_dtype, db_beta)),
+                err, err_len);
+}
+
+#ifdef PMG_WITH_CUDA
+int pmg_wgrad_cuda_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
+                     void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
+                     void* stream, int device, char* err, int err_len) {
+  if (!valid_dtype(in_dtype) || !valid_dtype(dw_dtype) || !valid_dtype(db_dtype))
+    return finish("dtype code must be 0 (float32), 1 (bfloat16) or 2 (float16)", err, err_len);
+  return finish(pmg::wgrad_cuda(make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db,
+                                          db_dtype, db_beta),
+                                stream, device),
+                err, err_len);
+}
+#endif
+
+}  // extern "C"
