@@ -26,8 +26,10 @@ from . import ops
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 
-# Counts backward passes (tests and the trainer's audit use it).
+# Counts passes, and names of parameters whose gradient the fused op wrote
+# (tests and the trainer's main_grad audit use them).
 stats = {"forward": 0, "backward": 0}
+touched_params: set = set()
 
 
 def _original_linear():
@@ -83,6 +85,7 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
             b_acc.add_(db.astype(b_acc.dtype))
             db = b_acc
 
+    touched_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
     out_w = out_b = None
     if want_w:
         if w_kind == "main_grad":

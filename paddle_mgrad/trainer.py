@@ -1,0 +1,180 @@
+"""PaddleNLP-style trainer integration: one flag, one call.
+
+Add :class:`MgradArguments` to your ``PdArgumentParser`` and call :func:`apply`
+before the model is built::
+
+    parser = PdArgumentParser((ModelArguments, DataArguments, TrainingArguments, MgradArguments))
+    model_args, data_args, training_args, mgrad_args = parser.parse_args_into_dataclasses()
+    paddle_mgrad.trainer.apply(training_args, mgrad_args)   # before LlamaForCausalLM(config)
+
+Flags (spelled as PaddleNLP's ``llm/`` scripts spell them):
+
+* ``--enable_linear_fused_grad_add``: ``paddle.nn.functional.linear`` (hence
+  ``nn.Linear`` and the llama projections) accumulates weight/bias gradients in
+  place into fp32 ``main_grad`` through our op.
+* ``--mgrad_fix_recompute`` (default: on whenever ``--recompute`` is on):
+  Paddle's ``recompute`` -- also the name PaddleNLP's modeling files imported at
+  import time -- becomes :func:`paddle_mgrad.recompute`.
+
+Nothing here imports PaddleNLP unless a callback is asked for.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ._compat import paddle
+from .patching import enable
+
+__all__ = ["MgradArguments", "FlagError", "apply", "MainGradAudit", "callbacks"]
+
+
+class FlagError(ValueError):
+    """A flag combination that cannot work; the message is one actionable line."""
+
+
+@dataclass
+class MgradArguments:
+    enable_linear_fused_grad_add: bool = field(
+        default=False,
+        metadata={"help": "Accumulate linear weight/bias gradients in place into fp32 main_grad "
+                          "with paddle_mgrad's fused op (PaddleNLP llm/ flag name)."})
+    mgrad_fix_recompute: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Route Paddle's recompute through paddle_mgrad.recompute (keeps main_grad "
+                          "and parameter attributes, CPU RNG on Paddle 2.6, determinism check). "
+                          "Default: on when --recompute is on."})
+    mgrad_audit: bool = field(
+        default=True, metadata={"help": "Report which parameters got their gradient in main_grad."})
+
+
+def _flag_requested(name, argv) -> bool:
+    """Whether ``--name`` was given as true on the command line (``--name``, ``--name true``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(argv):
+        if a == f"--{name}":
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            return nxt.lower() not in ("false", "0", "no")
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1].lower() not in ("false", "0", "no")
+    return False
+
+
+def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, argv=None) -> dict:
+    """Validate the flags and switch paddle_mgrad on; call before building the model.
+
+    Returns what was enabled, e.g. ``{"recompute": True, "fused_linear": True,
+    "op_backend": "cpp-onednn"}``.  Raises :class:`FlagError` (one line) for
+    combinations that cannot work.
+    """
+    mgrad_args = mgrad_args or MgradArguments()
+    recompute_on = bool(getattr(training_args, "recompute", False))
+    fix_recompute = recompute_on if mgrad_args.mgrad_fix_recompute is None \
+        else mgrad_args.mgrad_fix_recompute
+    amp_on = bool(getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False))
+
+    if training_args is not None and _flag_requested("amp_master_grad", argv) and not amp_on:
+        raise FlagError("--amp_master_grad needs AMP (PaddleNLP silently turns it off without it): "
+                        "add --bf16 true --fp16_opt_level O2 (or --fp16 true).")
+    if training_args is not None and getattr(training_args, "amp_master_grad", False) and \
+            getattr(training_args, "fp16_opt_level", "O2") != "O2":
+        raise FlagError("--amp_master_grad keeps fp32 master gradients for O2 AMP only: "
+                        "use --fp16_opt_level O2.")
+    info = {"recompute": bool(fix_recompute), "fused_linear": bool(mgrad_args.enable_linear_fused_grad_add)}
+    if mgrad_args.enable_linear_fused_grad_add:
+        from . import ops
+
+        backend = ops.backend()
+        info["op_backend"] = backend
+        on_gpu = paddle.get_device().startswith("gpu")
+        if on_gpu and "+cuda" not in backend:
+            raise FlagError(
+                "--enable_linear_fused_grad_add on GPU needs paddle_mgrad's op built with CUDA "
+                f"(now: {backend}; {ops.fallback_reason() or 'Paddle without CUDA'}); install "
+                "paddlepaddle-gpu and a CUDA toolkit (nvcc, cuBLASLt), or drop the flag.")
+    enable(recompute=info["recompute"], fused_linear=info["fused_linear"])
+    return info
+
+
+class MainGradAudit:
+    """Counts, per trainable parameter and backward, where its gradient went.
+
+    A backward hook (``_register_backward_hook``, fired after the parameter's
+    gradient is accumulated) records whether ``main_grad`` is an fp32 tensor and
+    ``.grad`` is None at that point.  ``report()`` summarises; linear weights
+    that went through the fused op are counted separately.
+    """
+
+    def __init__(self, model):
+        from . import linear
+
+        self._linear = linear
+        self.params = [p for p in model.parameters() if not p.stop_gradient]
+        self.seen = {p.name: 0 for p in self.params}
+        self.in_main_grad = {p.name: 0 for p in self.params}
+        self.grad_leak = {p.name: 0 for p in self.params}
+        self._handles = []
+        for p in self.params:
+            self._handles.append(p._register_backward_hook(self._hook(p)))
+
+    def _hook(self, p):
+        def hook(*_):
+            self.seen[p.name] += 1
+            mg = getattr(p, "main_grad", None)
+            if mg is not None and mg.dtype == paddle.float32 and p.grad is None:
+                self.in_main_grad[p.name] += 1
+            if p.grad is not None and hasattr(p, "main_grad"):
+                self.grad_leak[p.name] += 1
+        return hook
+
+    def summary(self) -> dict:
+        trained = [n for n, c in self.seen.items() if c > 0]
+        ok = [n for n in trained if self.in_main_grad[n] == self.seen[n]]
+        fused = sorted(set(trained) & self._linear.touched_params)
+        linear_weights = [p.name for p in self.params if len(p.shape) == 2 and
+                          "embed" not in p.name and p.name in self.seen]
+        return {"trainable": len(self.params), "received_grad": len(trained),
+                "in_fp32_main_grad": len(ok), "grad_not_none": sum(1 for n in trained if self.grad_leak[n]),
+                "fused_linear_params": len(fused), "fused_names": fused,
+                "missing": sorted(set(trained) - set(ok)), "linear_weights": len(linear_weights)}
+
+    def report(self) -> str:
+        s = self.summary()
+        return (f"main_grad audit: {s['in_fp32_main_grad']}/{s['received_grad']} trainable parameters "
+                f"received their gradient in fp32 main_grad with .grad None "
+                f"({s['trainable']} trainable; {s['fused_linear_params']} through the fused linear op)"
+                + (f"; NOT in main_grad: {', '.join(s['missing'][:5])}" if s["missing"] else ""))
+
+    def remove(self):
+        for h in self._handles:
+            if hasattr(h, "remove"):
+                h.remove()
+        self._handles = []
+
+
+def callbacks(tokens_per_step: int, audit: Optional[MainGradAudit] = None):
+    """PaddleNLP ``TrainerCallback`` that logs tokens/s (imports PaddleNLP)."""
+    from paddlenlp.trainer import TrainerCallback
+
+    class TokensPerSecond(TrainerCallback):
+        def __init__(self):
+            self.t0 = None
+            self.history = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.t0 is None:
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.history.append(tokens_per_step / max(now - self.t0, 1e-9))
+            self.t0 = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and self.history:
+                logs["tokens_per_second"] = round(self.history[-1], 1)
+
+    return [TokensPerSecond()]
+
