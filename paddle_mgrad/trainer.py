@@ -51,15 +51,16 @@ class MgradArguments:
 
 
 def _flag_requested(name, argv) -> bool:
-    """Whether ``--name`` was given as true on the command line (``--name``, ``--name true``)."""
+    """Whether ``--name`` was last given as true (``--name``, ``--name true``, ``--name=true``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    value = False
     for i, a in enumerate(argv):
         if a == f"--{name}":
             nxt = argv[i + 1] if i + 1 < len(argv) else ""
-            return nxt.lower() not in ("false", "0", "no")
-        if a.startswith(f"--{name}="):
-            return a.split("=", 1)[1].lower() not in ("false", "0", "no")
-    return False
+            value = nxt.lower() not in ("false", "0", "no")
+        elif a.startswith(f"--{name}="):
+            value = a.split("=", 1)[1].lower() not in ("false", "0", "no")
+    return value
 
 
 def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, argv=None) -> dict:

@@ -1,0 +1,41 @@
+import zlib  # noqa: F401  (before paddle)
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "llama", "run_pretrain.py")
+CONFIG = os.path.join(ROOT, "examples", "llama", "pretrain_cpu.json")
+
+
+def run_example(out_dir, *flags, nproc=1, timeout=900):
+    """Run the llama example (optionally under paddle.distributed.launch); returns
+    (returncode, stdout+stderr, summary dict or None)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base = [EXAMPLE, CONFIG, "--output_dir", str(out_dir), "--logging_steps", "1",
+            "--save_steps", "1000", *map(str, flags)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
+               os.path.join(str(out_dir), "log"), "--nproc_per_node", str(nproc), *base]
+    else:
+        cmd = [sys.executable, *base]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    out = r.stdout + r.stderr
+    if nproc > 1 and os.path.isdir(os.path.join(str(out_dir), "log")):
+        for name in sorted(os.listdir(os.path.join(str(out_dir), "log"))):
+            with open(os.path.join(str(out_dir), "log", name), errors="replace") as f:
+                out += f"\n--- {name}\n" + f.read()[-4000:]
+    path = os.path.join(str(out_dir), "mgrad_summary.json")
+    summary = None
+    if r.returncode == 0 and os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f)
+    return r.returncode, out, summary
+
+
+@pytest.fixture
+def example():
+    return run_example

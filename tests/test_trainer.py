@@ -1,0 +1,81 @@
+"""paddle_mgrad.trainer without PaddleNLP: flag validation, enable, the main_grad audit."""
+from types import SimpleNamespace
+
+import paddle
+import pytest
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+import paddle_mgrad
+from paddle_mgrad import trainer as T
+
+
+def targs(**kw):
+    base = dict(recompute=True, bf16=True, fp16=False, amp_master_grad=True, fp16_opt_level="O2")
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_apply_enables_by_default_when_recompute_is_on():
+    info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
+    assert info["recompute"] and info["fused_linear"] and info["op_backend"].startswith("cpp-")
+    assert paddle_mgrad.enabled() == {"recompute": True, "fused_linear": True}
+
+
+def test_apply_respects_switches():
+    info = T.apply(targs(recompute=False), T.MgradArguments(), argv=[])
+    assert info == {"recompute": False, "fused_linear": False}
+    assert T.apply(targs(), T.MgradArguments(mgrad_fix_recompute=False), argv=[])["recompute"] is False
+    assert T.apply(targs(recompute=False), T.MgradArguments(mgrad_fix_recompute=True),
+                   argv=[])["recompute"] is True
+
+
+@pytest.mark.parametrize("argv", [["--amp_master_grad"], ["--amp_master_grad", "true"],
+                                  ["--amp_master_grad=1"],
+                                  ["--amp_master_grad", "false", "--amp_master_grad", "true"]])
+def test_amp_master_grad_without_amp_is_refused(argv):
+    with pytest.raises(T.FlagError) as e:
+        T.apply(targs(bf16=False, amp_master_grad=False), T.MgradArguments(), argv=argv)
+    assert "\n" not in str(e.value) and "--bf16" in str(e.value)
+
+
+def test_amp_master_grad_false_last_is_fine():
+    T.apply(targs(bf16=False, amp_master_grad=False), T.MgradArguments(),
+            argv=["--amp_master_grad", "true", "--amp_master_grad", "false"])
+
+
+def test_amp_master_grad_needs_o2():
+    with pytest.raises(T.FlagError, match="O2"):
+        T.apply(targs(fp16_opt_level="O1"), T.MgradArguments(), argv=[])
+
+
+def test_fused_linear_on_gpu_without_cuda_build_is_refused(monkeypatch):
+    monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")
+    with pytest.raises(T.FlagError) as e:
+        T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
+    assert "CUDA" in str(e.value) and "\n" not in str(e.value)
+    assert not paddle_mgrad.enabled()["fused_linear"]  # nothing half-enabled
+
+
+def test_audit_counts_main_grad_and_fused_params():
+    T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
+    net = paddle.nn.Sequential(paddle.nn.Embedding(10, 8), paddle.nn.Linear(8, 8),
+                               paddle.nn.LayerNorm(8))
+    MixPrecisionLayer(net, dtype="bfloat16")
+    audit = T.MainGradAudit(net)
+    for _ in range(2):
+        x = paddle.to_tensor([[1, 2, 3]])
+        paddle_mgrad.recompute(net, x, use_reentrant=False).sum().backward()
+    s = audit.summary()
+    assert s["trainable"] == 5 and s["received_grad"] == 5 and s["in_fp32_main_grad"] == 5
+    assert s["fused_linear_params"] == 2 and s["missing"] == [] and s["grad_not_none"] == 0
+    assert "5/5" in audit.report()
+    audit.remove()
+
+
+def test_audit_reports_params_outside_main_grad():
+    net = paddle.nn.Linear(4, 2)  # no MixPrecisionLayer: gradients land in .grad
+    audit = T.MainGradAudit(net)
+    net(paddle.randn([3, 4])).sum().backward()
+    s = audit.summary()
+    assert s["in_fp32_main_grad"] == 0 and len(s["missing"]) == 2
+    assert "NOT in main_grad" in audit.report()
