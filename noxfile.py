@@ -70,5 +70,5 @@ def cuda_compile(session):
 def demo(session):
     """Main job: train the tiny llama with every flag on (Paddle 3.3.1, CPU)."""
     _install(session, "3.3.1", NLP_PINS)
-    session.run("python", "examples/llama/run_pretrain.py", "--config",
-                "examples/llama/config_cpu.json", *session.posargs, env=ENV)
+    session.run("python", "examples/llama/run_pretrain.py", "examples/llama/pretrain_cpu.json",
+                *session.posargs, env=ENV)
