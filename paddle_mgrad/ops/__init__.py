@@ -94,8 +94,8 @@ def _check(x, dout, dweight, dbias, multi_precision, has_bias):
         if _dtype_name(dweight.dtype) not in acc_ok:
             bad(f"dweight must be {' or '.join(sorted(acc_ok))}"
                 + (" when multi_precision=True" if multi_precision else ""))
-        if x.place._type() != dweight.place._type() if hasattr(x.place, "_type") else False:
-            bad("dweight must be on the same device as x")
+        if str(x.place) != str(dweight.place):
+            bad(f"dweight must be on the same device as x ({x.place} vs {dweight.place})")
     if dbias is not None and has_bias:
         if list(dbias.shape) != [N]:
             bad(f"dbias must be [N] = [{N}]")

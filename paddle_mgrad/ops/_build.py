@@ -125,17 +125,37 @@ def _load(directory, verbose=False):
     return load(**kwargs)
 
 
+def _import_built(directory):
+    """Import an existing build without re-running the compiler's checks.
+
+    The key already covers sources and flags, so a completed directory is
+    current.  (``load()`` would recompile when the sources moved, e.g. from
+    the build tree to site-packages for an ahead-of-time build.)
+    """
+    from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
+
+    name = f"{OP_PREFIX}_{build_key()}"
+    return _import_module_from_library(name, os.path.join(directory, name), False)
+
+
 def load_op_module():
     """Load (building if needed) the op module; raises on failure."""
     key = build_key()
     pre = os.path.join(prebuilt_root(), key)
-    if os.path.isdir(pre) and os.path.exists(os.path.join(pre, ".complete")):
-        return _load(pre)
+    if os.path.exists(os.path.join(pre, ".complete")):
+        try:
+            return _import_built(pre)
+        except Exception as e:  # e.g. read-only site-packages: fall back to the user cache
+            log.info("paddle_mgrad: prebuilt op in %s not usable (%s); using the JIT cache", pre, e)
     directory = os.path.join(cache_root(), key)
     with _locked(directory):
-        if not os.path.exists(os.path.join(directory, ".complete")):
-            log.warning("paddle_mgrad: compiling the fused weight-gradient op (once per "
-                        "Paddle version/source change, ~10-30 s) into %s", directory)
+        if os.path.exists(os.path.join(directory, ".complete")):
+            try:
+                return _import_built(directory)
+            except Exception as e:
+                log.warning("paddle_mgrad: cached op in %s did not load (%s); rebuilding", directory, e)
+        log.warning("paddle_mgrad: compiling the fused weight-gradient op (once per "
+                    "Paddle version/source change, ~10-30 s) into %s", directory)
         module = _load(directory)
         open(os.path.join(directory, ".complete"), "w").close()
     return module
