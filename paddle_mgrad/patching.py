@@ -123,11 +123,17 @@ def enable(recompute: bool = True, fused_linear: bool = False):
 
 
 def disable():
-    """Restore Paddle's own functions exactly."""
-    from . import backward_errors
+    """Restore Paddle's own functions exactly.
+
+    Also removes what the first :func:`paddle_mgrad.recompute` call installed
+    (the backward error translation; on Paddle 2.6 the ``save_for_backward``
+    None shim), so call it between runs, not while a graph awaits backward.
+    """
+    from . import backward_errors, saved_hooks
 
     unpatch(None)
     backward_errors.uninstall()
+    saved_hooks.uninstall_none_shim()
 
 
 def enabled() -> dict:

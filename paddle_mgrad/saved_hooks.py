@@ -12,7 +12,8 @@ C++ ``container`` whose setter calls the pack hook on every element and raises
 Tensor`` for ``None`` when a hook is active.  :func:`install_none_shim` wraps
 the two methods: ``None`` entries are kept out of the container and put back,
 in place, by ``saved_tensor``.  The shim is a pure pass-through for contexts
-that saved no ``None``; it also tells the pack hook that the tensors come from
+that saved no ``None``.  It is installed by the first non-reentrant recompute
+and removed by :func:`paddle_mgrad.disable`.  It also tells the pack hook that the tensors come from
 a PyLayer (see ``recomputation._Frame.pack``: on 2.6 the C++ side of an
 ordinary op *moves* the buffer out of whatever the unpack hook returns, so only
 PyLayer saves may be given back as the original object).

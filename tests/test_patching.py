@@ -43,12 +43,16 @@ def test_enable_reaches_early_aliases_and_disable_restores():
     paddle_mgrad.disable()  # idempotent too
 
 
-def test_disable_removes_backward_wrappers():
-    orig = paddle.Tensor.backward, paddle.autograd.backward
-    _run(paddle_mgrad.recompute)  # installs the error-translating wrappers
+def test_disable_removes_everything_recompute_installed():
+    from paddle.autograd.py_layer import PyLayerContext
+
+    orig = (paddle.Tensor.backward, paddle.autograd.backward,
+            PyLayerContext.save_for_backward, PyLayerContext.saved_tensor)
+    _run(paddle_mgrad.recompute)  # installs the error-translating wrappers (+ 2.6 shim)
     assert paddle.Tensor.backward is not orig[0]
     paddle_mgrad.disable()
-    assert (paddle.Tensor.backward, paddle.autograd.backward) == orig
+    assert (paddle.Tensor.backward, paddle.autograd.backward,
+            PyLayerContext.save_for_backward, PyLayerContext.saved_tensor) == orig
 
 
 def test_enable_false_switches_feature_off():
