@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     ap.add_argument("--compile-only", action="store_true",
                     help="nvcc-compile the CUDA core and C API (no GPU needed; CI)")
+    ap.add_argument("--paddle-include", default=None,
+                    help="with --compile-only: also syntax-check the Paddle binding's CUDA branch")
     ap.add_argument("--cpu-core", action="store_true",
                     help="build/check the CPU core only (no CUDA, no torch needed)")
     ap.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
@@ -121,6 +123,21 @@ def cublas_lib_dirs():
 
 NVCC_ARCH = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
              "-gencode=arch=compute_90,code=compute_90"]
+
+
+def check_paddle_binding(paddle_include, python_include):
+    """Syntax-check the Paddle binding's GPU branch (PADDLE_WITH_CUDA + PMG_WITH_CUDA) against a
+    Paddle wheel's headers; a CPU wheel suffices (Paddle 2.6's: 3.x's CUDA headers want ATen)."""
+    incs = [paddle_include, os.path.join(paddle_include, "third_party"), python_include, CSRC]
+    for d in cuda_include_dirs():
+        incs += [d, os.path.join(d, "cccl")]
+    cmd = ["g++", "-fsyntax-only", "-std=c++17", "-DPADDLE_WITH_CUDA", "-DPMG_WITH_CUDA",
+           *[f"-I{d}" for d in incs if os.path.isdir(d)], os.path.join(CSRC, "wgrad_op.cc")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(" ".join(cmd), "\n", r.stdout, r.stderr[-6000:])
+        raise RuntimeError("the Paddle binding's CUDA branch does not compile")
+    print("checked wgrad_op.cc (CUDA branch) against", paddle_include, flush=True)
 
 
 def compile_only(build_dir):
@@ -357,6 +374,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.compile_only:
         compile_only(args.build_dir or os.path.join(args.out, "build"))
+        if args.paddle_include:
+            import sysconfig
+
+            check_paddle_binding(args.paddle_include, sysconfig.get_paths()["include"])
         return 0
     if args.cpu_core:
         core = Core(build(args.build_dir or os.path.join(args.out, "build"), cuda=False), cuda=False)
