@@ -23,12 +23,13 @@ from __future__ import annotations
 from ._compat import paddle
 from .errors import FusedLinearError
 from . import ops
+from .patching import ORIGIN
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 
 # Counts passes, and names of parameters whose gradient the fused op wrote
 # (tests and the trainer's main_grad audit use them).
-stats = {"forward": 0, "backward": 0}
+stats = {"forward": 0, "backward": 0, "into_main_grad": 0}
 touched_params: set = set()
 
 
@@ -86,6 +87,7 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
             db = b_acc
 
     touched_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
+    stats["into_main_grad"] += (w_kind == "main_grad") + (b_kind == "main_grad")
     out_w = out_b = None
     if want_w:
         if w_kind == "main_grad":
@@ -124,7 +126,10 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensor()
-        weight, bias = ctx.weight, ctx.bias
+        # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
+        # enable(fused_linear=True) tags it with the real parameter (patching.ORIGIN).
+        weight = getattr(ctx.weight, ORIGIN, ctx.weight)
+        bias = getattr(ctx.bias, ORIGIN, ctx.bias) if ctx.bias is not None else None
         stats["backward"] += 1
         dx = None
         if ctx.x_needs_grad:

@@ -38,15 +38,44 @@ def _trampoline_incubate_fused_linear(x, weight, bias=None, transpose_weight=Fal
     return _m._incubate_fused_linear(x, weight, bias, transpose_weight, name)
 
 
+ORIGIN = "_paddle_mgrad_origin"
+
+
+def _trampoline_varbase_help(param):
+    import paddle_mgrad.patching as _m
+
+    return _m._param_copy_with_origin(param)
+
+
+def _param_copy_with_origin(param):
+    """Paddle's reentrant recompute re-creates parameter *arguments* as new parameters
+    with a deep copy of ``__dict__`` (so ``main_grad`` on them is a copy).  Tag the copy
+    with the real parameter, so the fused linear writes ``main_grad`` where it belongs."""
+    origin = param.__dict__.pop(ORIGIN, None)  # never deep-copy a parameter
+    try:
+        new = original("varbase_help")(param)
+    finally:
+        if origin is not None:
+            param.__dict__[ORIGIN] = origin
+    new.__dict__[ORIGIN] = origin if origin is not None else param
+    return new
+
+
+def _recompute_module():
+    import importlib
+
+    # (the package re-exports the function under the module's name)
+    return importlib.import_module("paddle.distributed.fleet.recompute.recompute")
+
+
 def _targets(feature):
     if feature == "recompute":
-        import importlib
-
-        # (the package re-exports the function under the module's name)
-        mod = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
-        return [("recompute", mod.recompute, _trampoline_recompute)]
+        return [("recompute", _recompute_module().recompute, _trampoline_recompute)]
     if feature == "fused_linear":
         out = [("linear", paddle.nn.functional.linear, _trampoline_linear)]
+        helper = getattr(_recompute_module(), "_varbase_help", None)
+        if helper is not None:
+            out.append(("varbase_help", helper, _trampoline_varbase_help))
         inc = getattr(paddle.incubate.nn.functional, "fused_linear", None)
         if inc is not None:
             out.append(("incubate_fused_linear", inc, _trampoline_incubate_fused_linear))
