@@ -45,8 +45,10 @@ each *parameter argument* as a new ``EagerParamBase`` with a deep copy of its
 issue #70508).  We pass parameter arguments *around* the ``PyLayer`` instead:
 the re-run uses the real parameter, exactly like the parameters a layer reads
 from ``self``, so its gradient reaches it once, through its own hooks.  If such
-a parameter is the only input that needs a gradient, a zero-size anchor tensor
-keeps the ``PyLayer``'s outputs differentiable.
+a parameter is the only input that needs a gradient, a one-element anchor
+tensor keeps the ``PyLayer``'s outputs differentiable.  Every tensor argument,
+also inside a tuple or list, is its own ``PyLayer`` input, so each gets its own
+gradient slot (Paddle 2.6 drops the first element's gradient of a tuple).
 """
 from __future__ import annotations
 
