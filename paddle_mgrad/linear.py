@@ -77,7 +77,9 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
         if transpose_weight:  # weight [N, K]: dW = dyᵀ · x
             dw, _ = ops.fused_linear_param_grad_add(dy, x, w_acc, None, mp, False)
         else:
-            fuse_bias = want_b and b_kind != "grad"
+            # The bias rides along in the same op call when its accumulator can be fp32
+            # (main_grad or fresh) and the weight's accumulator is fp32 too.
+            fuse_bias = want_b and b_kind != "grad" and (w_acc is None or w_acc.dtype == paddle.float32)
             dw, db = ops.fused_linear_param_grad_add(
                 x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias)
     if want_b and db is None:

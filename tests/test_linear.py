@@ -221,3 +221,35 @@ def test_native_reentrant_with_parameter_arguments(steps):
     assert L.stats["into_main_grad"] - before == (2 * steps if PADDLE2 else 0)
     np.testing.assert_allclose(lin.weight.main_grad.numpy(), ref_w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lin.bias.main_grad.numpy(), ref_b, rtol=1e-5, atol=1e-6)
+
+
+def test_low_precision_grad_accumulators():
+    """bf16 weights without main_grad: an existing bf16 .grad is accumulated in place, the
+    bias gradient (first seen) is fresh; nothing is refused."""
+    w = paddle.create_parameter([5, 3], "float32")
+    b = paddle.create_parameter([3], "float32", is_bias=True)
+    x = paddle.randn([4, 5])
+    dy = paddle.randn([4, 3])
+    wb = w.astype("bfloat16")
+    wb.stop_gradient = False
+    from paddle_mgrad.linear import _weight_and_bias_grads
+
+    with paddle.no_grad():
+        out_w, out_b = _weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"),
+                                              w, b, False)
+    want_w = x.astype("bfloat16").astype("float32").numpy().T @ dy.astype("bfloat16").astype("float32").numpy()
+    np.testing.assert_allclose(out_w.numpy(), want_w, rtol=1e-5, atol=1e-5)
+    assert out_b.dtype == b.dtype
+    # now with an existing bf16 .grad-like accumulator on the weight
+    class P:  # a stand-in parameter whose .grad is bf16
+        stop_gradient = False
+        dtype = paddle.bfloat16
+        name = "p"
+        grad = paddle.zeros([5, 3]).astype("bfloat16")
+    p = P()
+    ptr = p.grad.data_ptr()
+    with paddle.no_grad():
+        out_w, out_b = _weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"), p, b, False)
+    assert out_w is None and p.grad.data_ptr() == ptr
+    np.testing.assert_allclose(p.grad.astype("float32").numpy(), want_w, rtol=2e-2, atol=2e-2)
+    assert out_b is not None and out_b.dtype == b.dtype
