@@ -25,9 +25,11 @@ def run_example(out_dir, *flags, nproc=1, timeout=900):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     out = r.stdout + r.stderr
     if nproc > 1 and os.path.isdir(os.path.join(str(out_dir), "log")):
+        workers = ""
         for name in sorted(os.listdir(os.path.join(str(out_dir), "log"))):
             with open(os.path.join(str(out_dir), "log", name), errors="replace") as f:
-                out += f"\n--- {name}\n" + f.read()[-4000:]
+                workers += f"\n--- {name}\n" + f.read()[-2500:]
+        out = workers + "\n--- launcher\n" + out[-2000:]  # the launcher's verdict last
     path = os.path.join(str(out_dir), "mgrad_summary.json")
     summary = None
     if r.returncode == 0 and os.path.exists(path):
