@@ -263,7 +263,8 @@ def test_recomputed_non_leaf_shares_buffer_and_keeps_flags():
     assert seen["stop_gradient"] is False
     if not PADDLE2:
         assert seen["attr"] == "hidden"
-    np.testing.assert_allclose(x.grad.numpy(), 2 * (1 - np.tanh(x.numpy()) ** 2), rtol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * (1 - np.tanh(x.numpy()) ** 2), rtol=1e-6,
+                               atol=1e-6)
 
 
 # ----------------------------------------------------------------------- RNG
@@ -505,7 +506,7 @@ def test_no_grad_context_just_runs():
     x = paddle.randn([4])
     with paddle.no_grad():
         y = paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False)
-    np.testing.assert_allclose(y.numpy(), np.tanh(x.numpy()), rtol=1e-6)
+    np.testing.assert_allclose(y.numpy(), np.tanh(x.numpy()), rtol=1e-6, atol=1e-7)
 
 
 def test_stats_count_calls():
