@@ -52,23 +52,27 @@ CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"  # headers only; matches the CUDA 13 
 
 @nox.session
 def cuda_compile(session):
-    """nvcc-compile the CUDA core (sm_80, sm_90, PTX) and syntax-check the Paddle binding's
-    CUDA branch, without a GPU.  cuBLAS headers come from NVIDIA's wheel (headers only)."""
+    """nvcc-compile the CUDA core (sm_80, sm_90, PTX), link and load it (its CUDA entry point
+    must fail cleanly without a GPU), and syntax-check the Paddle binding's CUDA branch.
+    cuBLAS headers and libcublasLt come from NVIDIA's wheel."""
     import glob
     import zipfile
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "cuda-headers")
     inc = os.path.join(root, "nvidia", "cu13", "include")
-    if not os.path.exists(os.path.join(inc, "cublasLt.h")):
+    lib = os.path.join(root, "nvidia", "cu13", "lib")
+    if not glob.glob(os.path.join(lib, "libcublasLt.so*")):
         session.run("python", "-m", "pip", "download", "-q", "--no-deps", "-d", root, CUBLAS_WHEEL)
         with zipfile.ZipFile(glob.glob(os.path.join(root, "nvidia_cublas-*.whl"))[0]) as z:
-            z.extractall(root, [n for n in z.namelist() if "/include/" in n])
+            z.extractall(root, [n for n in z.namelist()
+                                if "/include/" in n or n.endswith("libcublasLt.so.13")])
     session.install(*PADDLE_PINS["2.6.2"])
     paddle_inc = session.run(
         "python", "-c", "import zlib, os, paddle; print(os.path.join(os.path.dirname(paddle.__file__), 'include'))",
         silent=True).strip().splitlines()[-1]
     session.run("python", "benchmarks/gpu/bench_wgrad_gpu.py", "--compile-only", "--out",
-                os.path.join(root, "out"), "--paddle-include", paddle_inc, env={"PMG_CUDA_INCLUDE": inc})
+                os.path.join(root, "out"), "--paddle-include", paddle_inc,
+                env={"PMG_CUDA_INCLUDE": inc, "PMG_CUDA_LIB": lib})
 
 
 @nox.session

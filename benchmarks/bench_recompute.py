@@ -46,14 +46,16 @@ def child(args):
 
     net = paddle.nn.LayerList([Block() for _ in range(blocks)])
     mode = args.child
-    rc = None
+    run_block = None
     if mode != "none":
         impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
         reentrant = mode.endswith("_reentrant") and not mode.endswith("non_reentrant")
         preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
 
-        def rc(f, x):
+        def _recompute_block(f, x):
             return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve)
+
+        run_block = _recompute_block
 
     x0 = paddle.randn([args.tokens, d])
     times, peaks, saved = [], [], []
@@ -66,7 +68,7 @@ def child(args):
         t0 = time.perf_counter()
         h = x
         for b in net:
-            h = b(h) if rc is None else rc(b, h)
+            h = b(h) if run_block is None else run_block(b, h)
         loss = h.mean()
         after_fwd = core.host_memory_stat_current_value("Allocated", 0)
         loss.backward()

@@ -300,6 +300,10 @@ def _params_in(layout):
             yield from _params_in(value)
 
 
+def _needs_grad(obj) -> bool:
+    return any(not t.stop_gradient for t in _iter_tensors(obj))
+
+
 def _detach(t):
     d = t.detach()
     d.stop_gradient = t.stop_gradient

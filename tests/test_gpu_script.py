@@ -5,7 +5,6 @@ import json
 import os
 
 import numpy as np
-import pytest
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
 spec = importlib.util.spec_from_file_location("bench_wgrad_gpu", PATH)
