@@ -23,7 +23,7 @@ from __future__ import annotations
 from ._compat import paddle
 from .errors import FusedLinearError
 from . import ops
-from .patching import ORIGIN
+from .patching import ORIGIN, original
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 
@@ -31,12 +31,6 @@ __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 # (tests and the trainer's main_grad audit use them).
 stats = {"forward": 0, "backward": 0, "into_main_grad": 0}
 touched_params: set = set()
-
-
-def _original_linear():
-    from .patching import original
-
-    return original("linear")
 
 
 def _needs_grad(p) -> bool:
@@ -116,7 +110,7 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
             if bias is not None:
                 y = y + bias
         else:
-            y = _original_linear()(x, weight, bias)
+            y = original("linear")(x, weight, bias)
         ctx.save_for_backward(x)
         ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
         ctx.bias = bias
@@ -156,21 +150,23 @@ def _validate(x, weight, bias, transpose_weight=False):
         raise FusedLinearError(f"fused_linear: bias {list(bias.shape)} must be [{n}]")
 
 
+def _use_paddle(x, weight, bias) -> bool:
+    """Cases the PyLayer has nothing to add to: static graph, no grad, no parameter grad, 1-D x."""
+    return (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
+            or not (_needs_grad(weight) or _needs_grad(bias)) or len(x.shape) < 2)
+
+
 def fused_linear(x, weight, bias=None, name=None):
     """Drop-in for ``paddle.nn.functional.linear`` with fused in-place weight gradients."""
-    if (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
-            or not (_needs_grad(weight) or _needs_grad(bias)) or len(x.shape) < 2):
-        return _original_linear()(x, weight, bias, name)
+    if _use_paddle(x, weight, bias):
+        return original("linear")(x, weight, bias, name)
     _validate(x, weight, bias)
     return FusedLinearWithGradAdd.apply(x, weight, bias)
 
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):
     """Drop-in for ``paddle.incubate.nn.functional.fused_linear``."""
-    from .patching import original
-
-    if (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
-            or not (_needs_grad(weight) or _needs_grad(bias)) or len(x.shape) < 2):
+    if _use_paddle(x, weight, bias):
         return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)
     _validate(x, weight, bias, transpose_weight)
     return FusedLinearWithGradAdd.apply(x, weight, bias, None, transpose_weight)

@@ -134,8 +134,7 @@ class MainGradAudit:
         trained = [n for n, c in self.seen.items() if c > 0]
         ok = [n for n in trained if self.in_main_grad[n] == self.seen[n]]
         fused = sorted(set(trained) & self._linear.touched_params)
-        linear_weights = [p.name for p in self.params if len(p.shape) == 2 and
-                          "embed" not in p.name and p.name in self.seen]
+        linear_weights = [p.name for p in self.params if len(p.shape) == 2 and "embed" not in p.name]
         return {"trainable": len(self.params), "received_grad": len(trained),
                 "in_fp32_main_grad": len(ok), "grad_not_none": sum(1 for n in trained if self.grad_leak[n]),
                 "fused_linear_params": len(fused), "fused_names": fused,
@@ -155,7 +154,7 @@ class MainGradAudit:
         self._handles = []
 
 
-def callbacks(tokens_per_step: int, audit: Optional[MainGradAudit] = None):
+def callbacks(tokens_per_step: int):
     """PaddleNLP ``TrainerCallback`` that logs tokens/s (imports PaddleNLP)."""
     from paddlenlp.trainer import TrainerCallback
 

@@ -107,13 +107,17 @@ def _locked(directory):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _load(directory, verbose=False):
+def _op_name(key) -> str:
+    return f"{OP_PREFIX}_{key}"
+
+
+def _load(directory, key, verbose=False):
     from paddle.utils.cpp_extension import load
 
     sources, cflags, ldflags, nvcc = build_config()
     src = csrc_dir()
     kwargs = dict(
-        name=f"{OP_PREFIX}_{build_key()}",
+        name=_op_name(key),
         sources=[os.path.join(src, s) for s in sources],
         extra_cxx_cflags=cflags + [f"-I{src}"],
         extra_ldflags=ldflags,
@@ -125,7 +129,7 @@ def _load(directory, verbose=False):
     return load(**kwargs)
 
 
-def _import_built(directory):
+def _import_built(directory, key):
     """Import an existing build without re-running the compiler's checks.
 
     The key already covers sources and flags, so a completed directory is
@@ -134,7 +138,7 @@ def _import_built(directory):
     """
     from paddle.utils.cpp_extension.extension_utils import _import_module_from_library
 
-    name = f"{OP_PREFIX}_{build_key()}"
+    name = _op_name(key)
     return _import_module_from_library(name, os.path.join(directory, name), False)
 
 
@@ -144,27 +148,28 @@ def load_op_module():
     pre = os.path.join(prebuilt_root(), key)
     if os.path.exists(os.path.join(pre, ".complete")):
         try:
-            return _import_built(pre)
+            return _import_built(pre, key)
         except Exception as e:  # e.g. read-only site-packages: fall back to the user cache
             log.info("paddle_mgrad: prebuilt op in %s not usable (%s); using the JIT cache", pre, e)
     directory = os.path.join(cache_root(), key)
     with _locked(directory):
         if os.path.exists(os.path.join(directory, ".complete")):
             try:
-                return _import_built(directory)
+                return _import_built(directory, key)
             except Exception as e:
                 log.warning("paddle_mgrad: cached op in %s did not load (%s); rebuilding", directory, e)
         log.warning("paddle_mgrad: compiling the fused weight-gradient op (once per "
                     "Paddle version/source change, ~10-30 s) into %s", directory)
-        module = _load(directory)
+        module = _load(directory, key)
         open(os.path.join(directory, ".complete"), "w").close()
     return module
 
 
 def build_into(root):
     """Ahead-of-time build (setup.py with PADDLE_MGRAD_BUILD_OPS=1)."""
-    directory = os.path.join(root, build_key())
+    key = build_key()
+    directory = os.path.join(root, key)
     with _locked(directory):
-        _load(directory, verbose=True)
+        _load(directory, key, verbose=True)
         open(os.path.join(directory, ".complete"), "w").close()
     return directory
