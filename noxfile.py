@@ -44,7 +44,7 @@ def nlp(session, paddle):
     """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
     _install(session, paddle, NLP_PINS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/nlp", *session.posargs,
-                env=dict(ENV, PADDLE_MGRAD_NLP="1"))
+                env=ENV)
 
 
 CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"  # headers only; matches the CUDA 13 nvcc here

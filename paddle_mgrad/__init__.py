@@ -7,8 +7,9 @@ Quick start::
     paddle_mgrad.enable(recompute=True, fused_linear=True)   # before building the model
 """
 from . import _compat  # noqa: F401  (imports zlib before paddle on 2.6)
-from .errors import FusedLinearError, RecomputeError
-from .patching import disable, enable, enabled
+from . import stats
+from .errors import FlagError, FusedLinearError, RecomputeError
+from .switch import disable, enable, enabled
 from .recomputation import recompute
 from .linear import FusedLinearWithGradAdd, fused_linear
 
@@ -16,6 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__", "enable", "disable", "enabled", "recompute", "RecomputeError",
-    "FusedLinearError", "fused_linear", "FusedLinearWithGradAdd",
+    "FusedLinearError", "FlagError", "fused_linear", "FusedLinearWithGradAdd", "stats",
 ]
-

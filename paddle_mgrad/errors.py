@@ -16,3 +16,7 @@ class RecomputeError(RuntimeError):
 
 class FusedLinearError(ValueError):
     """Bad input to the fused weight-gradient op or the fused linear layer."""
+
+
+class FlagError(ValueError):
+    """A trainer flag combination that cannot work; the message is one actionable line."""

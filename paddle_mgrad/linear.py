@@ -20,20 +20,20 @@ Holding the parameter costs nothing: the model holds it anyway.
 """
 from __future__ import annotations
 
+from . import ops, stats
 from ._compat import paddle
 from .errors import FusedLinearError
-from . import ops
-from .patching import ORIGIN, original
+from .registry import original
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 
-# Counts passes, and names of parameters whose gradient the fused op wrote
-# (tests and the trainer's main_grad audit use them).
-stats = {"forward": 0, "backward": 0, "into_main_grad": 0}
-touched_params: set = set()
+# Set on the copies Paddle's reentrant recompute makes of parameter arguments:
+# the real parameter, whose main_grad the backward must write.
+ORIGIN = "_paddle_mgrad_origin"
 
 
-def _needs_grad(p) -> bool:
+def _wants_grad(p) -> bool:
+    """Whether the (optional) parameter ``p`` needs a gradient."""
     return p is not None and not p.stop_gradient
 
 
@@ -49,7 +49,7 @@ def _accumulator(p):
 
 def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
-    want_w, want_b = _needs_grad(weight), _needs_grad(bias)
+    want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
         return None, None
     if dy.dtype != x.dtype:
@@ -82,8 +82,8 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
             b_acc.add_(db.astype(b_acc.dtype))
             db = b_acc
 
-    touched_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
-    stats["into_main_grad"] += (w_kind == "main_grad") + (b_kind == "main_grad")
+    stats.fused_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
+    stats.bump(stats.linear, "into_main_grad", (w_kind == "main_grad") + (b_kind == "main_grad"))
     out_w = out_b = None
     if want_w:
         if w_kind == "main_grad":
@@ -104,7 +104,7 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
     """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias=None, name=None, transpose_weight=False):
+    def forward(ctx, x, weight, bias=None, transpose_weight=False):
         if transpose_weight:
             y = paddle.matmul(x, weight, transpose_y=True)
             if bias is not None:
@@ -116,17 +116,17 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
         ctx.bias = bias
         ctx.transpose_weight = transpose_weight
         ctx.x_needs_grad = not x.stop_gradient
-        stats["forward"] += 1
+        stats.bump(stats.linear, "forward")
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensor()
         # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
-        # enable(fused_linear=True) tags it with the real parameter (patching.ORIGIN).
+        # enable(fused_linear=True) tags it with the real parameter (ORIGIN).
         weight = getattr(ctx.weight, ORIGIN, ctx.weight)
         bias = getattr(ctx.bias, ORIGIN, ctx.bias) if ctx.bias is not None else None
-        stats["backward"] += 1
+        stats.bump(stats.linear, "backward")
         dx = None
         if ctx.x_needs_grad:
             dx = paddle.matmul(dy, weight, transpose_y=not ctx.transpose_weight)
@@ -153,7 +153,7 @@ def _validate(x, weight, bias, transpose_weight=False):
 def _use_paddle(x, weight, bias) -> bool:
     """Cases the PyLayer has nothing to add to: static graph, no grad, no parameter grad, 1-D x."""
     return (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
-            or not (_needs_grad(weight) or _needs_grad(bias)) or len(x.shape) < 2)
+            or not (_wants_grad(weight) or _wants_grad(bias)) or len(x.shape) < 2)
 
 
 def fused_linear(x, weight, bias=None, name=None):
@@ -169,4 +169,40 @@ def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=No
     if _use_paddle(x, weight, bias):
         return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)
     _validate(x, weight, bias, transpose_weight)
-    return FusedLinearWithGradAdd.apply(x, weight, bias, None, transpose_weight)
+    return FusedLinearWithGradAdd.apply(x, weight, bias, transpose_weight)
+
+
+def _param_copy_with_origin(param):
+    """Paddle's reentrant recompute re-creates parameter *arguments* as new parameters
+    with a deep copy of ``__dict__`` (so ``main_grad`` on them is a copy).  Tag the copy
+    with the real parameter, so the fused linear writes ``main_grad`` where it belongs."""
+    origin = param.__dict__.pop(ORIGIN, None)  # never deep-copy a parameter
+    try:
+        new = original("varbase_help")(param)
+    finally:
+        if origin is not None:
+            param.__dict__[ORIGIN] = origin
+    new.__dict__[ORIGIN] = origin if origin is not None else param
+    return new
+
+
+# Trampolines: their code replaces Paddle's functions' code (registry entries
+# "linear", "incubate_fused_linear", "varbase_help"); they run in Paddle's module
+# globals, hence the imports inside.
+def _paddle_linear_trampoline(x, weight, bias=None, name=None):
+    import paddle_mgrad.linear as _m
+
+    return _m.fused_linear(x, weight, bias, name)
+
+
+def _paddle_incubate_fused_linear_trampoline(x, weight, bias=None, transpose_weight=False,
+                                             name=None):
+    import paddle_mgrad.linear as _m
+
+    return _m._incubate_fused_linear(x, weight, bias, transpose_weight, name)
+
+
+def _paddle_varbase_help_trampoline(param):
+    import paddle_mgrad.linear as _m
+
+    return _m._param_copy_with_origin(param)

@@ -16,23 +16,19 @@ Flags (spelled as PaddleNLP's ``llm/`` scripts spell them):
   Paddle's ``recompute`` -- also the name PaddleNLP's modeling files imported at
   import time -- becomes :func:`paddle_mgrad.recompute`.
 
-Nothing here imports PaddleNLP unless a callback is asked for.
+Nothing here imports PaddleNLP.
 """
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ._compat import paddle
-from .patching import enable
+from .errors import FlagError
+from .switch import enable
 
-__all__ = ["MgradArguments", "FlagError", "apply", "MainGradAudit", "callbacks"]
-
-
-class FlagError(ValueError):
-    """A flag combination that cannot work; the message is one actionable line."""
+__all__ = ["MgradArguments", "FlagError", "apply"]
 
 
 @dataclass
@@ -97,84 +93,3 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, argv=
                 "paddlepaddle-gpu and a CUDA toolkit (nvcc, cuBLASLt), or drop the flag.")
     enable(recompute=info["recompute"], fused_linear=info["fused_linear"])
     return info
-
-
-class MainGradAudit:
-    """Counts, per trainable parameter and backward, where its gradient went.
-
-    A backward hook (``_register_backward_hook``, fired after the parameter's
-    gradient is accumulated) records whether ``main_grad`` is an fp32 tensor and
-    ``.grad`` is None at that point.  ``report()`` summarises; linear weights
-    that went through the fused op are counted separately.
-    """
-
-    def __init__(self, model):
-        from . import linear
-
-        self._linear = linear
-        self.params = [p for p in model.parameters() if not p.stop_gradient]
-        self.seen = {p.name: 0 for p in self.params}
-        self.in_main_grad = {p.name: 0 for p in self.params}
-        self.grad_leak = {p.name: 0 for p in self.params}
-        self._handles = []
-        for p in self.params:
-            self._handles.append(p._register_backward_hook(self._hook(p)))
-
-    def _hook(self, p):
-        def hook(*_):
-            self.seen[p.name] += 1
-            mg = getattr(p, "main_grad", None)
-            if mg is not None and mg.dtype == paddle.float32 and p.grad is None:
-                self.in_main_grad[p.name] += 1
-            if p.grad is not None and hasattr(p, "main_grad"):
-                self.grad_leak[p.name] += 1
-        return hook
-
-    def summary(self) -> dict:
-        trained = [n for n, c in self.seen.items() if c > 0]
-        ok = [n for n in trained if self.in_main_grad[n] == self.seen[n]]
-        fused = sorted(set(trained) & self._linear.touched_params)
-        linear_weights = [p.name for p in self.params if len(p.shape) == 2 and "embed" not in p.name]
-        return {"trainable": len(self.params), "received_grad": len(trained),
-                "in_fp32_main_grad": len(ok), "grad_not_none": sum(1 for n in trained if self.grad_leak[n]),
-                "fused_linear_params": len(fused), "fused_names": fused,
-                "missing": sorted(set(trained) - set(ok)), "linear_weights": len(linear_weights)}
-
-    def report(self) -> str:
-        s = self.summary()
-        return (f"main_grad audit: {s['in_fp32_main_grad']}/{s['received_grad']} trainable parameters "
-                f"received their gradient in fp32 main_grad with .grad None "
-                f"({s['trainable']} trainable; {s['fused_linear_params']} through the fused linear op)"
-                + (f"; NOT in main_grad: {', '.join(s['missing'][:5])}" if s["missing"] else ""))
-
-    def remove(self):
-        for h in self._handles:
-            if hasattr(h, "remove"):
-                h.remove()
-        self._handles = []
-
-
-def callbacks(tokens_per_step: int):
-    """PaddleNLP ``TrainerCallback`` that logs tokens/s (imports PaddleNLP)."""
-    from paddlenlp.trainer import TrainerCallback
-
-    class TokensPerSecond(TrainerCallback):
-        def __init__(self):
-            self.t0 = None
-            self.history = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if self.t0 is None:
-                self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            self.history.append(tokens_per_step / max(now - self.t0, 1e-9))
-            self.t0 = now
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs is not None and self.history:
-                logs["tokens_per_second"] = round(self.history[-1], 1)
-
-    return [TokensPerSecond()]
-

@@ -32,7 +32,7 @@ def test_jit_cache_builds_once_per_key(tmp_path):
     assert keys == [_build.build_key()]
     assert os.path.exists(tmp_path / keys[0] / ".complete")
     second = _probe({"PADDLE_MGRAD_CACHE": str(tmp_path)})
-    assert "BACKEND cpp-" in second.stdout
+    assert "BACKEND cpp-" in second.stdout, (second.returncode, second.stdout + second.stderr)
     assert "compiling the fused" not in second.stdout + second.stderr  # reused, not rebuilt
 
 

@@ -7,7 +7,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import FusedLinearError, FusedLinearWithGradAdd, fused_linear
-from paddle_mgrad import linear as L
+from paddle_mgrad import stats
 from conftest import PADDLE2
 
 
@@ -68,14 +68,14 @@ def test_main_grad_over_micro_batches(recompute, bias, shape3d):
     for p in net.parameters():
         p._register_backward_hook(lambda *_, name=p.name: fired.__setitem__(name, fired[name] + 1))
     rc = RECOMPUTES[recompute]
-    before = L.stats["backward"]
+    before = stats.linear["backward"]
     for step, x in enumerate(data):
         xt = paddle.to_tensor(x)
         xt.stop_gradient = False
         y = model(xt) if rc is None else rc(model, xt)
         (y ** 2).sum().backward()
         assert all(v == step + 1 for v in fired.values()), fired  # once per backward
-    assert L.stats["backward"] - before == 2 * len(data)  # the fused path really ran
+    assert stats.linear["backward"] - before == 2 * len(data)  # the fused path really ran
     for i, p in enumerate(net.parameters()):
         assert p.grad is None, f"{p.name}.grad must stay None under main_grad"
         assert p.main_grad is not None and p.main_grad.dtype == paddle.float32
@@ -138,12 +138,12 @@ def test_enable_routes_nn_linear_and_disable_restores():
     try:
         lin = paddle.nn.Linear(6, 4)
         MixPrecisionLayer(lin, dtype="bfloat16")
-        before = L.stats["backward"]
+        before = stats.linear["backward"]
         x = paddle.randn([3, 6])
         x.stop_gradient = False
         y = native_recompute(lin, x, use_reentrant=False)
         y.sum().backward()
-        assert L.stats["backward"] == before + 1
+        assert stats.linear["backward"] == before + 1
         assert lin.weight.grad is None
         np.testing.assert_allclose(lin.weight.main_grad.numpy(),
                                    x.numpy().T @ np.ones([3, 4], "float32"), rtol=1e-5, atol=1e-5)
@@ -162,10 +162,10 @@ def test_incubate_fused_linear_transpose_weight():
         w.main_grad = None
         b.main_grad = None
         x = paddle.randn([3, 6])
-        before = L.stats["backward"]
+        before = stats.linear["backward"]
         y = inc(x, w, b, transpose_weight=True)
         y.sum().backward()
-        assert L.stats["backward"] == before + 1
+        assert stats.linear["backward"] == before + 1
         dy = np.ones([3, 4], "float32")
         np.testing.assert_allclose(w.main_grad.numpy(), dy.T @ x.numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(b.main_grad.numpy(), dy.sum(0), rtol=1e-6, atol=1e-6)
@@ -196,7 +196,7 @@ def test_native_reentrant_with_parameter_arguments(steps):
     """Paddle's reentrant recompute copies parameter *arguments* (deep-copying main_grad);
     with only the fused linear enabled, main_grad must still land on the real parameter."""
     paddle_mgrad.enable(recompute=False, fused_linear=True)
-    before = L.stats["into_main_grad"]
+    before = stats.linear["into_main_grad"]
     try:
         paddle.seed(9)
         lin = paddle.nn.Linear(6, 4)
@@ -219,7 +219,7 @@ def test_native_reentrant_with_parameter_arguments(steps):
     # Paddle 2.6 hands the PyLayer a tagged EagerParamBase copy: the fused op writes into the
     # real main_grad.  Paddle 3.x hands a plain shared tensor (no link to the parameter): the
     # op returns a fresh gradient that MixPrecisionLayer's hook adds -- correct, not fused.
-    assert L.stats["into_main_grad"] - before == (2 * steps if PADDLE2 else 0)
+    assert stats.linear["into_main_grad"] - before == (2 * steps if PADDLE2 else 0)
     np.testing.assert_allclose(lin.weight.main_grad.numpy(), ref_w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lin.bias.main_grad.numpy(), ref_b, rtol=1e-5, atol=1e-6)
 

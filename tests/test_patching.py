@@ -5,7 +5,7 @@ import paddle
 from paddle.distributed.fleet.utils import recompute as early_alias  # bound before enable()
 
 import paddle_mgrad
-from paddle_mgrad import recomputation as R
+from paddle_mgrad import stats
 
 core_mod = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
 
@@ -22,24 +22,24 @@ def test_enable_reaches_early_aliases_and_disable_restores():
     defaults = core_mod.recompute.__defaults__
     assert not paddle_mgrad.enabled()["recompute"]
 
-    before = R.stats["non_reentrant"]
+    before = stats.recompute["non_reentrant"]
     _run(early_alias)
-    assert R.stats["non_reentrant"] == before  # Paddle's own
+    assert stats.recompute["non_reentrant"] == before  # Paddle's own
 
     paddle_mgrad.enable()
     paddle_mgrad.enable()  # idempotent
     assert paddle_mgrad.enabled()["recompute"]
     for rc in (early_alias, core_mod.recompute, paddle.distributed.fleet.utils.recompute):
-        n = R.stats["non_reentrant"]
+        n = stats.recompute["non_reentrant"]
         _run(rc)
-        assert R.stats["non_reentrant"] == n + 1
+        assert stats.recompute["non_reentrant"] == n + 1
 
     paddle_mgrad.disable()
     assert core_mod.recompute.__code__ is code
     assert core_mod.recompute.__defaults__ is defaults
-    n = R.stats["non_reentrant"]
+    n = stats.recompute["non_reentrant"]
     _run(early_alias)
-    assert R.stats["non_reentrant"] == n
+    assert stats.recompute["non_reentrant"] == n
     paddle_mgrad.disable()  # idempotent too
 
 

@@ -7,6 +7,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import trainer as T
+from paddle_mgrad.audit import MainGradAudit
 
 
 def targs(**kw):
@@ -33,7 +34,7 @@ def test_apply_respects_switches():
                                   ["--amp_master_grad=1"],
                                   ["--amp_master_grad", "false", "--amp_master_grad", "true"]])
 def test_amp_master_grad_without_amp_is_refused(argv):
-    with pytest.raises(T.FlagError) as e:
+    with pytest.raises(paddle_mgrad.FlagError) as e:
         T.apply(targs(bf16=False, amp_master_grad=False), T.MgradArguments(), argv=argv)
     assert "\n" not in str(e.value) and "--bf16" in str(e.value)
 
@@ -44,13 +45,13 @@ def test_amp_master_grad_false_last_is_fine():
 
 
 def test_amp_master_grad_needs_o2():
-    with pytest.raises(T.FlagError, match="O2"):
+    with pytest.raises(paddle_mgrad.FlagError, match="O2"):
         T.apply(targs(fp16_opt_level="O1"), T.MgradArguments(), argv=[])
 
 
 def test_fused_linear_on_gpu_without_cuda_build_is_refused(monkeypatch):
     monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")
-    with pytest.raises(T.FlagError) as e:
+    with pytest.raises(paddle_mgrad.FlagError) as e:
         T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
     assert "CUDA" in str(e.value) and "\n" not in str(e.value)
     assert not paddle_mgrad.enabled()["fused_linear"]  # nothing half-enabled
@@ -61,7 +62,7 @@ def test_audit_counts_main_grad_and_fused_params():
     net = paddle.nn.Sequential(paddle.nn.Embedding(10, 8), paddle.nn.Linear(8, 8),
                                paddle.nn.LayerNorm(8))
     MixPrecisionLayer(net, dtype="bfloat16")
-    audit = T.MainGradAudit(net)
+    audit = MainGradAudit(net)
     for _ in range(2):
         x = paddle.to_tensor([[1, 2, 3]])
         paddle_mgrad.recompute(net, x, use_reentrant=False).sum().backward()
@@ -74,7 +75,7 @@ def test_audit_counts_main_grad_and_fused_params():
 
 def test_audit_reports_params_outside_main_grad():
     net = paddle.nn.Linear(4, 2)  # no MixPrecisionLayer: gradients land in .grad
-    audit = T.MainGradAudit(net)
+    audit = MainGradAudit(net)
     net(paddle.randn([3, 4])).sum().backward()
     s = audit.summary()
     assert s["in_fp32_main_grad"] == 0 and len(s["missing"]) == 2

@@ -24,12 +24,15 @@ from dataclasses import dataclass, field
 import paddle
 
 import paddle_mgrad
-from paddle_mgrad import recomputation
-from paddle_mgrad.trainer import FlagError, MainGradAudit, MgradArguments, apply, callbacks
+from paddle_mgrad import stats
+from paddle_mgrad.audit import MainGradAudit
+from paddle_mgrad.errors import FlagError
+from paddle_mgrad.trainer import MgradArguments, apply
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from data import BlockDataset, ByteTokenizer  # noqa: E402
+from tokens_per_second import tokens_per_second_callback  # noqa: E402
 
 
 @dataclass
@@ -106,23 +109,24 @@ def main(argv=None):
     dataset = BlockDataset(data_args.data_file, data_args.seq_length, tokenizer)
     tokens_per_step = (data_args.seq_length * training_args.per_device_train_batch_size
                        * training_args.gradient_accumulation_steps * max(1, training_args.world_size))
-    cbs = callbacks(tokens_per_step)
-    trainer = make_trainer_class()(model=model, args=training_args, train_dataset=dataset, callbacks=cbs)
+    speed = tokens_per_second_callback(tokens_per_step)
+    trainer = make_trainer_class()(model=model, args=training_args, train_dataset=dataset,
+                                   callbacks=[speed])
     audit = MainGradAudit(model) if mgrad_args.mgrad_audit else None
 
-    before = dict(recomputation.stats)
+    before = dict(stats.recompute)
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
 
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    tps = cbs[0].history[1:] or cbs[0].history
+    tps = speed.history[1:] or speed.history
     summary = {
         "paddle": paddle.__version__, "paddle_mgrad": paddle_mgrad.__version__,
         "enabled": enabled, "world_size": training_args.world_size,
         "global_step": trainer.state.global_step, "train_loss": result.training_loss,
         "logged_losses": losses,
         "tokens_per_second": round(sum(tps) / max(len(tps), 1), 1),
-        "recompute_calls": {k: recomputation.stats[k] - before[k] for k in before},
+        "recompute_calls": {k: stats.recompute[k] - before[k] for k in before},
         "amp_master_grad": training_args.amp_master_grad,
     }
     if audit is not None:

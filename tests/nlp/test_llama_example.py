@@ -51,15 +51,15 @@ def test_in_process_alias_is_patched():
     """PaddleNLP's llama module bound `recompute` at import; enable() reaches that alias."""
     from paddlenlp.transformers.llama import modeling
 
-    from paddle_mgrad import recomputation
+    from paddle_mgrad import stats
 
     def call():
         x = paddle.randn([3])
         x.stop_gradient = False
-        before = recomputation.stats["non_reentrant"]
+        before = stats.recompute["non_reentrant"]
         modeling.recompute(paddle.tanh, x, use_reentrant=False,
                            preserve_rng_state=False).sum().backward()
-        return recomputation.stats["non_reentrant"] - before
+        return stats.recompute["non_reentrant"] - before
 
     assert call() == 0  # Paddle's own
     paddle_mgrad.enable(recompute=True)

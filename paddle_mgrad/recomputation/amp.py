@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ._compat import tracer
+from .._compat import tracer
 
 
 class AmpState:

@@ -17,7 +17,7 @@ import random
 
 import numpy as np
 
-from ._compat import core, paddle
+from .._compat import core, paddle
 
 
 def _custom_state_funcs():
@@ -95,3 +95,8 @@ class RNGState:
 
 def capture() -> RNGState:
     return RNGState()
+
+
+def replayed(state):
+    """``state.restored()``, or a no-op context when no state was captured."""
+    return state.restored() if state is not None else contextlib.nullcontext()

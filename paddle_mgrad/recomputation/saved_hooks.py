@@ -12,9 +12,9 @@ C++ ``container`` whose setter calls the pack hook on every element and raises
 Tensor`` for ``None`` when a hook is active.  :func:`install_none_shim` wraps
 the two methods: ``None`` entries are kept out of the container and put back,
 in place, by ``saved_tensor``.  The shim is a pure pass-through for contexts
-that saved no ``None``.  It is installed by the first non-reentrant recompute
-and removed by :func:`paddle_mgrad.disable`.  It also tells the pack hook that the tensors come from
-a PyLayer (see ``recomputation._Frame.pack``: on 2.6 the C++ side of an
+that saved no ``None``.  It is a pair of registry entries installed by the first non-reentrant
+recompute and removed by :func:`paddle_mgrad.disable`.  It also tells the pack hook that the tensors come from
+a PyLayer (see ``non_reentrant._Frame.pack``: on 2.6 the C++ side of an
 ordinary op *moves* the buffer out of whatever the unpack hook returns, so only
 PyLayer saves may be given back as the original object).
 """
@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from ._compat import IS_PADDLE_2, core
+from .. import registry
+from .._compat import IS_PADDLE_2, core
+from ..errors import RecomputeError
 
 _stack: list = []
 _local = threading.local()
@@ -43,8 +45,6 @@ def hooks(pack, unpack):
     except Exception as e:  # another (non-paddle_mgrad) hook pair is active
         if _stack:
             core.eager.register_saved_tensors_hooks(*_stack[-1])
-        from .errors import RecomputeError
-
         raise RecomputeError(
             "paddle_mgrad.recompute could not install its saved-tensor hooks because "
             "another pair (paddle.autograd.saved_tensors_hooks, or Paddle's own "
@@ -63,56 +63,44 @@ def hooks(pack, unpack):
 
 # ---------------------------------------------------------------- Paddle 2.6
 _NONE_MASK = "_paddle_mgrad_none_mask"
-_originals: dict = {}
 
 
-def _ctx_class():
-    from paddle.autograd.py_layer import PyLayerContext
+def wrap_save_for_backward(orig):
+    """Registry factory: ``PyLayerContext.save_for_backward`` accepting None (2.6)."""
 
-    return PyLayerContext
+    def save_for_backward(self, *tensors):
+        if any(t is None for t in tensors):
+            setattr(self, _NONE_MASK, tuple(t is None for t in tensors))
+            tensors = tuple(t for t in tensors if t is not None)
+        elif hasattr(self, _NONE_MASK):
+            delattr(self, _NONE_MASK)
+        _local.pylayer_save = True
+        try:
+            orig(self, *tensors)
+        finally:
+            _local.pylayer_save = False
 
-
-def _save_for_backward(self, *tensors):
-    if any(t is None for t in tensors):
-        setattr(self, _NONE_MASK, tuple(t is None for t in tensors))
-        tensors = tuple(t for t in tensors if t is not None)
-    elif hasattr(self, _NONE_MASK):
-        delattr(self, _NONE_MASK)
-    _local.pylayer_save = True
-    try:
-        _originals["save_for_backward"](self, *tensors)
-    finally:
-        _local.pylayer_save = False
-
-
-def _saved_tensor(self):
-    saved = _originals["saved_tensor"](self)
-    mask = getattr(self, _NONE_MASK, None)
-    if mask is None:
-        return saved
-    it = iter(saved if saved is not None else ())
-    return tuple(None if is_none else next(it) for is_none in mask)
+    save_for_backward.__wrapped__ = orig
+    return save_for_backward
 
 
-def none_shim_needed() -> bool:
-    return IS_PADDLE_2
+def wrap_saved_tensor(orig):
+    """Registry factory: ``PyLayerContext.saved_tensor`` putting the None entries back (2.6)."""
+
+    def saved_tensor(self):
+        saved = orig(self)
+        mask = getattr(self, _NONE_MASK, None)
+        if mask is None:
+            return saved
+        it = iter(saved if saved is not None else ())
+        return tuple(None if is_none else next(it) for is_none in mask)
+
+    saved_tensor.__wrapped__ = orig
+    return saved_tensor
 
 
 def install_none_shim() -> bool:
-    """Install the 2.6 shim once; returns True if it is (now) installed."""
-    if not none_shim_needed():
+    """Install the 2.6 shim once (first non-reentrant recompute); True if installed."""
+    if not IS_PADDLE_2:
         return False
-    cls = _ctx_class()
-    if "save_for_backward" not in _originals:
-        _originals["save_for_backward"] = cls.save_for_backward
-        _originals["saved_tensor"] = cls.saved_tensor
-        cls.save_for_backward = _save_for_backward
-        cls.saved_tensor = _saved_tensor
-    return True
-
-
-def uninstall_none_shim():
-    if "save_for_backward" in _originals:
-        cls = _ctx_class()
-        cls.save_for_backward = _originals.pop("save_for_backward")
-        cls.saved_tensor = _originals.pop("saved_tensor")
+    return registry.ensure("PyLayerContext.save_for_backward", "PyLayerContext.saved_tensor")

@@ -6,18 +6,19 @@ Paddle 2.6 and 3.x alike, leaves grad mode *disabled* after the failed
 backward.  We record the error before raising it, and thin wrappers around
 ``Tensor.backward`` and ``paddle.autograd.backward`` re-raise the recorded
 error (chained to Paddle's) and switch grad mode back on.  The wrappers are
-pass-throughs otherwise; they are installed by the first recompute call and
-removed by :func:`paddle_mgrad.disable`.
+pass-throughs otherwise; they are registry entries (``Tensor.backward``,
+``autograd.backward`` in :mod:`paddle_mgrad.registry`) installed by the first
+recompute call and removed by :func:`paddle_mgrad.disable`.
 """
 from __future__ import annotations
 
 import functools
 import threading
 
-from ._compat import paddle, tracer
+from .. import registry
+from .._compat import tracer
 
 _state = threading.local()
-_originals: dict = {}
 
 
 def record(error: BaseException):
@@ -25,7 +26,9 @@ def record(error: BaseException):
         _state.error = error
 
 
-def _wrap(orig):
+def wrap(orig):
+    """``orig`` (a backward entry point) re-raising the recorded RecomputeError."""
+
     @functools.wraps(orig)
     def backward(*args, **kwargs):
         depth = getattr(_state, "depth", 0)
@@ -51,20 +54,5 @@ def _wrap(orig):
 
 
 def install():
-    if _originals:
-        return
-    _originals["Tensor.backward"] = paddle.Tensor.backward
-    _originals["autograd.backward"] = paddle.autograd.backward
-    paddle.Tensor.backward = _wrap(paddle.Tensor.backward)
-    paddle.autograd.backward = _wrap(paddle.autograd.backward)
-
-
-def uninstall():
-    if not _originals:
-        return
-    paddle.Tensor.backward = _originals.pop("Tensor.backward")
-    paddle.autograd.backward = _originals.pop("autograd.backward")
-
-
-def installed() -> bool:
-    return bool(_originals)
+    """Install the wrappers (first recompute call; idempotent)."""
+    registry.ensure("Tensor.backward", "autograd.backward")

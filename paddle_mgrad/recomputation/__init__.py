@@ -1,0 +1,21 @@
+"""Activation recomputation that keeps parameters (and their ``main_grad``) intact.
+
+Where things are:
+
+* :mod:`.api` -- :func:`recompute`, the public entry (and the trampoline that
+  Paddle's own ``recompute`` runs once :func:`paddle_mgrad.enable` is called);
+* :mod:`.non_reentrant` -- ``use_reentrant=False``: saved-tensor hooks that keep
+  parameters as the very objects and recompute the rest; the determinism check;
+* :mod:`.reentrant` -- ``use_reentrant=True``: Paddle's PyLayer scheme with
+  parameter arguments routed around the PyLayer;
+* :mod:`.rng`, :mod:`.amp` -- capture in forward, replay in recomputation;
+* :mod:`.saved_hooks` -- a stack of saved-tensor hook pairs (nesting) and the
+  Paddle 2.6 ``save_for_backward(..., None)`` shim;
+* :mod:`.backward_errors` -- delivers :class:`~paddle_mgrad.RecomputeError` out of
+  Paddle's backward engine with its own type;
+* :mod:`.tensors` -- small helpers shared by both implementations.
+"""
+from ..errors import RecomputeError
+from .api import recompute
+
+__all__ = ["recompute", "RecomputeError"]

@@ -1,0 +1,173 @@
+"""Non-reentrant recompute (``use_reentrant=False``): saved-tensor hooks that keep parameters.
+
+The forward runs under saved-tensor hooks.  Every tensor that autograd (or a
+``PyLayer`` through ``ctx.save_for_backward``) wants to keep is handed to our
+``pack`` hook, which returns a small :class:`_Holder` instead:
+
+* a **kept** holder references the saved object itself.  We keep parameters,
+  any other leaf that needs a gradient, and the tensors passed to ``recompute``
+  as arguments: they are alive anyway (the arguments are needed to re-run the
+  function), so holding them costs no memory, and backward gets back the very
+  object the forward saw, with ``main_grad``, ``stop_gradient`` and every Python
+  attribute.  Paddle instead hands back a buffer-sharing copy named
+  ``<name>cpy`` that lost ``main_grad`` (2.6) or any attribute but ``main_grad``
+  (3.x), so ``weight.main_grad = weight.main_grad + dw`` landed on the copy.
+* every other holder is **empty**: the activation is dropped after forward.
+
+The first ``unpack`` of an empty holder re-runs the function (with the forward's
+RNG and AMP state) under an inner pack hook that walks the holders in order:
+for holder *i* it stores a ``detach()``-ed view of the recomputed tensor (it
+shares the buffer: no copy), with ``stop_gradient`` and Python attributes
+carried over.  Each view is popped from storage as soon as backward has it, so
+recomputed activations are freed as early as Paddle's own.  Storage is keyed by
+weak references to the holders, so a holder whose graph node died never keeps
+a recomputed tensor alive.
+
+The forward records each saved tensor's shape and dtype; recomputation checks
+them, and a different count, shape or dtype raises :class:`RecomputeError`
+naming the tensor, where Paddle silently computes wrong gradients.  Hook
+callbacks never raise (an exception thrown through Paddle's C++ hook call loses
+its type); they record the problem and it is raised right after.
+"""
+from __future__ import annotations
+
+import weakref
+
+from .. import stats
+from .._compat import IS_PADDLE_2, is_parameter, paddle
+from ..errors import RecomputeError
+from . import amp as _amp
+from . import backward_errors as _errors
+from . import rng as _rng
+from . import saved_hooks as _hooks
+from .tensors import (buffer_sharing_tensor, describe, detached_view, function_name,
+                      iter_tensors, spec)
+
+
+class _Holder:
+    """What autograd keeps instead of a saved tensor (see module docstring)."""
+
+    __slots__ = ("index", "kept", "value", "for_op", "__weakref__")
+
+    def __init__(self, index, kept, value, for_op):
+        self.index = index
+        self.kept = kept
+        self.value = value
+        # Paddle 2.6 only: saved by a C++ op (not a PyLayer), so what we return is
+        # consumed by TensorWrapper::recover and must be a disposable tensor.
+        self.for_op = for_op
+
+
+class _Frame:
+    """State of one non-reentrant recompute call, shared by its hooks."""
+
+    def __init__(self, function, args, kwargs, preserve_rng_state):
+        self.function = function
+        self.args = args
+        self.kwargs = kwargs
+        self.rng = _rng.capture() if preserve_rng_state else None
+        self.amp = _amp.capture()
+        self.arg_ids = {id(t) for t in iter_tensors((args, kwargs))}
+        self.specs: list = []
+        self.holders: list = []
+        self.storage = weakref.WeakKeyDictionary()
+
+    # -- forward -----------------------------------------------------------
+    def _keep(self, x) -> bool:
+        if x is None:
+            return True
+        if is_parameter(x) or id(x) in self.arg_ids:
+            return True
+        return bool(x.is_leaf and not x.stop_gradient)
+
+    def pack(self, x):
+        kept = self._keep(x)
+        for_op = IS_PADDLE_2 and not _hooks.in_pylayer_save()
+        holder = _Holder(len(self.specs), kept, x if kept else None, for_op)
+        self.specs.append(spec(x))
+        self.holders.append(weakref.ref(holder))
+        return holder
+
+    def unpack(self, holder):
+        if holder.kept:
+            if holder.for_op and holder.value is not None:
+                return buffer_sharing_tensor(holder.value)
+            return holder.value
+        try:
+            if holder not in self.storage:
+                self.rerun()
+            if holder not in self.storage:  # pragma: no cover - defensive
+                raise RecomputeError(
+                    f"recompute({function_name(self.function)}): saved tensor #{holder.index} "
+                    "was not reproduced by recomputation"
+                )
+        except RecomputeError as e:
+            _errors.record(e)  # Paddle's engine re-raises it as OSError
+            raise
+        return self.storage.pop(holder)
+
+    # -- backward ----------------------------------------------------------
+    def rerun(self):
+        """Re-run the function; store a view of each recomputed tensor for its holder."""
+        stats.bump(stats.recompute, "recomputations")
+        counter = 0
+        problems: list = []
+        specs, holders, storage = self.specs, self.holders, self.storage
+
+        def inner_pack(x):
+            nonlocal counter
+            i = counter
+            counter += 1
+            if i >= len(specs):
+                if len(problems) < 3:
+                    problems.append(
+                        f"recomputation saved an extra tensor #{i} {describe(x)}; "
+                        f"the forward saved only {len(specs)}"
+                    )
+                return None
+            if spec(x) != specs[i]:
+                want = "None" if specs[i] is None else (
+                    f"shape={list(specs[i][0])}, dtype={specs[i][1]}")
+                problems.append(
+                    f"saved tensor #{i}: forward saved {want}, "
+                    f"recomputation saved {describe(x)}"
+                )
+                return None
+            holder = holders[i]()
+            if holder is None or holder.kept:
+                return None
+            storage[holder] = buffer_sharing_tensor(x) if holder.for_op else detached_view(x)
+            return None
+
+        def inner_unpack(_):  # the recomputed graph is never back-propagated
+            raise RecomputeError("internal: a tensor saved during recomputation was unpacked")
+
+        with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(True), \
+                _hooks.hooks(inner_pack, inner_unpack):
+            self.function(*self.args, **self.kwargs)
+
+        if counter < len(specs):
+            problems.append(
+                f"recomputation saved {counter} tensors, the forward saved {len(specs)} "
+                f"(first missing: #{counter}, forward saved "
+                f"{'None' if specs[counter] is None else list(specs[counter][0])})"
+            )
+        if problems:
+            storage.clear()
+            raise RecomputeError(
+                f"recompute({function_name(self.function)}) is not deterministic: "
+                + "; ".join(problems)
+                + ". Gradients would be wrong. Make the block's saved tensors depend only "
+                "on its inputs (use preserve_rng_state=True for dropout, avoid "
+                "data-dependent branches)."
+            )
+
+
+def recompute_non_reentrant(function, preserve_rng_state, args, kwargs):
+    """Run ``function`` under hooks that drop activations and keep parameters."""
+    stats.bump(stats.recompute, "non_reentrant")
+    _hooks.install_none_shim()
+    _errors.install()
+    frame = _Frame(function, args, kwargs, preserve_rng_state)
+    with _hooks.hooks(frame.pack, frame.unpack):
+        return function(*args, **kwargs)

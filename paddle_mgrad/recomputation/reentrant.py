@@ -1,0 +1,180 @@
+"""Reentrant recompute (``use_reentrant=True``): a PyLayer that re-runs the block in backward.
+
+As Paddle: a ``PyLayer`` runs the function without grad, and its backward
+re-runs it with grad and back-propagates through the re-run.  Paddle rebuilds
+each *parameter argument* as a new ``EagerParamBase`` with a deep copy of its
+``__dict__``, so ``w.main_grad.add_(dw)`` in backward updated a copy (Paddle
+issue #70508).  We pass parameter arguments *around* the ``PyLayer`` instead:
+the re-run uses the real parameter, exactly like the parameters a layer reads
+from ``self``, so its gradient reaches it once, through its own hooks.  If such
+a parameter is the only input that needs a gradient, a one-element anchor
+tensor keeps the ``PyLayer``'s outputs differentiable.  Every tensor argument,
+also inside a tuple or list, is its own ``PyLayer`` input, so each gets its own
+gradient slot (Paddle 2.6 drops the first element's gradient of a tuple).
+"""
+from __future__ import annotations
+
+import inspect
+
+from .. import stats
+from .._compat import is_parameter, is_tensor, paddle, tracer
+from . import amp as _amp
+from . import rng as _rng
+from .tensors import any_needs_grad, detached_view
+
+# Arguments are encoded into a layout plus a flat list of tensors: every tensor
+# (also inside tuples) is its own PyLayer input, so its gradient has its own
+# slot (Paddle 2.6 loses the gradient of the first element of a tuple
+# argument), and parameters stay out of the PyLayer entirely (see docstring).
+def _encode(arg, tensors):
+    if is_parameter(arg):
+        return ("param", arg)
+    if is_tensor(arg):
+        if hasattr(arg, "_new_shared_tensor"):
+            # A shallow copy, as Paddle does, so that schedulers freeing the
+            # caller's tensor (pipeline parallel) do not free what backward needs.
+            arg = arg._new_shared_tensor()
+        tensors.append(arg)
+        return ("tensor", len(tensors) - 1)
+    if type(arg) in (tuple, list) and any(is_tensor(a) for a in arg):
+        return (type(arg).__name__, [_encode(a, tensors) for a in arg])
+    return ("const", arg)
+
+
+def _decode(entry, tensors):
+    kind, value = entry
+    if kind == "tensor":
+        return tensors[value]
+    if kind in ("tuple", "list"):
+        items = [_decode(e, tensors) for e in value]
+        return tuple(items) if kind == "tuple" else items
+    return value  # "param" and "const"
+
+
+def _params_in(layout):
+    for kind, value in layout:
+        if kind == "param":
+            yield value
+        elif kind in ("tuple", "list"):
+            yield from _params_in(value)
+
+
+class _ReentrantRecompute(paddle.autograd.PyLayer):
+    @staticmethod
+    def forward(ctx, run_function, preserve_rng_state, offload, layout, kwargs, n_tensors, *tensors):
+        ctx.run_function = run_function
+        ctx.kwargs = kwargs
+        ctx.layout = layout
+        ctx.offload = offload
+        ctx.rng = _rng.capture() if preserve_rng_state else None
+        ctx.amp = _amp.capture()
+        ctx.n_anchor = len(tensors) - n_tensors
+        tensors = tensors[:n_tensors]
+        with paddle.no_grad():
+            outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
+        for k in offload:
+            cpu = tensors[k].cpu()
+            cpu._share_buffer_to(tensors[k])
+        ctx.save_for_backward(*tensors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = list(ctx.saved_tensor() or ())
+        if ctx.offload:
+            place = paddle.framework._current_expected_place()
+            for k in ctx.offload:
+                moved = saved[k].to(place)
+                moved.stop_gradient = saved[k].stop_gradient
+                saved[k] = moved
+        detached = [detached_view(t) for t in saved]
+        run_args = [_decode(e, detached) for e in ctx.layout]
+
+        stats.bump(stats.recompute, "recomputations")
+        t = tracer()
+        has_grad = t._has_grad
+        t._has_grad = True
+        try:
+            with _rng.replayed(ctx.rng), ctx.amp.replayed():
+                outputs = ctx.run_function(*run_args, **ctx.kwargs)
+        finally:
+            t._has_grad = has_grad
+        if is_tensor(outputs):
+            outputs = (outputs,)
+
+        # PyLayer hands one gradient per output (as Paddle's RecomputeFunction
+        # assumes); if it dropped non-tensor outputs, align with the tensors.
+        if len(outputs) != len(grads):
+            outputs = [o for o in outputs if is_tensor(o)]
+        roots, root_grads = [], []
+        for o, g in zip(outputs, grads):
+            if is_tensor(o) and not o.stop_gradient and g is not None:
+                roots.append(o)
+                root_grads.append(g)
+        if not roots:
+            raise RuntimeError(
+                "recompute: none of the recomputed outputs needs a gradient; "
+                "this recompute() is not necessary"
+            )
+        with paddle.amp.auto_cast(enable=False):
+            paddle.autograd.backward(roots, root_grads)
+        result = [None if d.stop_gradient else d._grad_ivar() for d in detached]
+        result.extend(paddle.zeros([1]) for _ in range(ctx.n_anchor))
+        return tuple(result)
+
+
+def _flatten_call(function, args, kwargs):
+    """Bind ``args``/``kwargs`` to the signature and return them positionally,
+    or None when that is impossible (keyword-only parameters, extra ``**kwargs``)."""
+    target = function.forward if isinstance(function, paddle.nn.Layer) else function
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    flat = []
+    for value, param in zip(bound.arguments.values(), sig.parameters.values()):
+        if param.kind == param.VAR_POSITIONAL:
+            flat.extend(value)
+        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            flat.append(value)
+        elif param.kind == param.VAR_KEYWORD and not value:
+            continue
+        else:
+            return None
+    return flat
+
+
+def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs):
+    """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
+    stats.bump(stats.recompute, "reentrant")
+    flat = _flatten_call(function, args, kwargs) if kwargs else list(args)
+    call_kwargs = {}
+    if flat is None:  # keyword-only / **kwargs: tensors there must not need grad
+        flat, call_kwargs = list(args), dict(kwargs)
+        bad = [k for k, v in call_kwargs.items() if any_needs_grad(v)]
+        if bad:
+            raise ValueError(
+                f"recompute(use_reentrant=True): keyword-only argument(s) {bad} hold tensors "
+                "that need gradients, which the reentrant PyLayer cannot route; pass them "
+                "positionally or use use_reentrant=False"
+            )
+    tensors: list = []
+    layout = [_encode(a, tensors) for a in flat]
+    offload = []
+    for i in offload_indices:
+        if layout[i][0] != "tensor":
+            raise ValueError(f"offload_indices: argument {i} is not a (non-parameter) tensor")
+        offload.append(layout[i][1])
+    anchor = []
+    if any(not p.stop_gradient for p in _params_in(layout)) and not any(
+            not t.stop_gradient for t in tensors):
+        # Parameters bypass the PyLayer; keep its outputs differentiable.
+        a = paddle.zeros([1])
+        a.stop_gradient = False
+        anchor.append(a)
+    return _ReentrantRecompute.apply(
+        function, preserve_rng_state, offload, layout, call_kwargs, len(tensors),
+        *tensors, *anchor,
+    )

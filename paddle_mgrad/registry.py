@@ -1,0 +1,233 @@
+"""Every place where paddle_mgrad replaces something inside Paddle: one table, one installer.
+
+Each :class:`Replacement` says *what* is replaced (a module path and an attribute
+path inside it), *with what* (``"module:name"`` of our object, resolved only when
+installed, so this module imports nothing of paddle_mgrad's features), *why*, and
+*which feature* it belongs to:
+
+* ``recompute`` / ``fused_linear`` -- installed by :func:`paddle_mgrad.enable`;
+* ``support`` -- installed on first use by the code that needs it
+  (:func:`ensure`), e.g. the backward error translation by the first recompute.
+
+Two ways of replacing:
+
+* ``code``: the *code object* (and defaults) of Paddle's function is swapped for
+  a trampoline's.  Modelling code binds Paddle's functions at import time
+  (``from paddle.distributed.fleet.utils import recompute`` in PaddleNLP); every
+  alias refers to the same function object, so all of them run the trampoline.
+  A trampoline runs in Paddle's module globals, so it imports its target itself.
+* ``attr``: the attribute is rebound (``setattr``) to ``factory(original)``.
+
+:func:`uninstall` puts back exactly the objects that were there (identity), and
+:func:`original` gives a callable copy of Paddle's own function whether or not
+it is replaced, for our code to call.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+from ._compat import IS_PADDLE_2
+
+__all__ = ["Replacement", "REPLACEMENTS", "install", "uninstall", "ensure", "original",
+           "is_installed", "installed_keys", "resolve_target"]
+
+FEATURES = ("recompute", "fused_linear")
+
+
+@dataclass(frozen=True)
+class Replacement:
+    key: str
+    feature: str  # "recompute", "fused_linear" or "support" (installed on first use)
+    module: str  # Paddle module holding the target
+    attr: str  # attribute path inside it ("recompute", "Tensor.backward")
+    kind: str  # "code": swap __code__; "attr": setattr to factory(original)
+    new: str  # "paddle_mgrad.module:name": trampoline (code) or factory (attr)
+    why: str
+    optional: bool = False  # absent on some Paddle versions: skipped, not an error
+    when: Callable[[], bool] = field(default=lambda: True, compare=False)
+
+
+REPLACEMENTS: Tuple[Replacement, ...] = (
+    Replacement(
+        "recompute", "recompute", "paddle.distributed.fleet.recompute.recompute", "recompute",
+        "code", "paddle_mgrad.recomputation.api:_paddle_recompute_trampoline",
+        "Paddle's recompute hands back '<name>cpy' copies of saved parameters (main_grad and "
+        "attributes lost), rejects None in save_for_backward on 2.6, cannot preserve CPU RNG on "
+        "2.6, and reentrant mode loses main_grad on parameter arguments (#70508)."),
+    Replacement(
+        "linear", "fused_linear", "paddle.nn.functional.common", "linear",
+        "code", "paddle_mgrad.linear:_paddle_linear_trampoline",
+        "nn.Linear, llama projections and fleet's parallel linears call it: their weight/bias "
+        "gradients accumulate in place into fp32 main_grad through our op."),
+    Replacement(
+        "incubate_fused_linear", "fused_linear", "paddle.incubate.nn.functional.fused_matmul_bias",
+        "fused_linear", "code", "paddle_mgrad.linear:_paddle_incubate_fused_linear_trampoline",
+        "PaddleNLP's fused layers call it (GPU-only in Paddle); same gradient path as linear.",
+        optional=True),
+    Replacement(
+        "varbase_help", "fused_linear", "paddle.distributed.fleet.recompute.recompute",
+        "_varbase_help", "code", "paddle_mgrad.linear:_paddle_varbase_help_trampoline",
+        "Paddle 2.6's reentrant recompute re-creates parameter arguments as copies; tag each copy "
+        "with the real parameter so the fused linear writes main_grad where it belongs.",
+        optional=True),
+    Replacement(
+        "Tensor.backward", "support", "paddle", "Tensor.backward",
+        "attr", "paddle_mgrad.recomputation.backward_errors:wrap",
+        "Paddle's backward engine turns a RecomputeError raised in recomputation into OSError "
+        "and leaves grad mode off; the wrapper re-raises ours and restores grad mode."),
+    Replacement(
+        "autograd.backward", "support", "paddle.autograd", "backward",
+        "attr", "paddle_mgrad.recomputation.backward_errors:wrap",
+        "As Tensor.backward, for paddle.autograd.backward."),
+    Replacement(
+        "PyLayerContext.save_for_backward", "support", "paddle.autograd.py_layer",
+        "PyLayerContext.save_for_backward", "attr",
+        "paddle_mgrad.recomputation.saved_hooks:wrap_save_for_backward",
+        "Paddle 2.6 raises ValueError for None in save_for_backward while saved-tensor hooks are "
+        "active; the shim keeps None out of the container and tells the pack hook the save "
+        "comes from a PyLayer.", when=lambda: IS_PADDLE_2),
+    Replacement(
+        "PyLayerContext.saved_tensor", "support", "paddle.autograd.py_layer",
+        "PyLayerContext.saved_tensor", "attr",
+        "paddle_mgrad.recomputation.saved_hooks:wrap_saved_tensor",
+        "Puts the None entries kept out by the save_for_backward shim back in place (2.6).",
+        when=lambda: IS_PADDLE_2),
+)
+
+_BY_KEY = {r.key: r for r in REPLACEMENTS}
+_lock = threading.RLock()
+# key -> what was there before install: (function, code, defaults, kwdefaults) for "code",
+# (owner, attribute name, original object) for "attr"
+_installed: dict = {}
+_copies: dict = {}  # key -> callable copy of Paddle's original function ("code" kind)
+
+
+def _resolve_name(spec: str):
+    module, _, name = spec.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_target(rep: Replacement):
+    """``(owner, attribute name, current object)`` or None when absent on this Paddle."""
+    try:
+        owner = importlib.import_module(rep.module)
+        *path, last = rep.attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, last, getattr(owner, last)
+    except (ImportError, AttributeError):
+        if rep.optional:
+            return None
+        raise
+
+
+def _applies(rep: Replacement) -> bool:
+    return rep.when()
+
+
+def _function_copy(fn):
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+def original(key: str):
+    """Paddle's own object for ``key``, callable whether or not it is replaced now."""
+    rep = _BY_KEY[key]
+    with _lock:
+        if rep.kind == "code":
+            if key not in _copies:
+                target = resolve_target(rep)
+                if target is None:
+                    raise KeyError(f"{rep.module}.{rep.attr} does not exist in this Paddle")
+                _copies[key] = _function_copy(target[2])  # snapshot taken before any swap
+            return _copies[key]
+        if key in _installed:
+            return _installed[key][2]
+        target = resolve_target(rep)
+        if target is None:
+            raise KeyError(f"{rep.module}.{rep.attr} does not exist in this Paddle")
+        return target[2]
+
+
+def _install_one(rep: Replacement) -> bool:
+    if rep.key in _installed or not _applies(rep):
+        return rep.key in _installed
+    target = resolve_target(rep)
+    if target is None:
+        return False
+    owner, name, current = target
+    new = _resolve_name(rep.new)
+    if rep.kind == "code":
+        original(rep.key)  # snapshot before swapping
+        if current.__closure__:
+            raise RuntimeError(f"cannot replace {current.__qualname__}: it is a closure")
+        _installed[rep.key] = (current, current.__code__, current.__defaults__,
+                               current.__kwdefaults__)
+        current.__code__ = new.__code__
+        current.__defaults__ = new.__defaults__
+        current.__kwdefaults__ = new.__kwdefaults__
+    elif rep.kind == "attr":
+        _installed[rep.key] = (owner, name, current)
+        setattr(owner, name, new(current))
+    else:  # pragma: no cover - table error
+        raise ValueError(f"unknown replacement kind {rep.kind!r}")
+    return True
+
+
+def _uninstall_one(key: str):
+    rep = _BY_KEY[key]
+    saved = _installed.pop(key)
+    if rep.kind == "code":
+        fn, code, defaults, kwdefaults = saved
+        fn.__code__ = code
+        fn.__defaults__ = defaults
+        fn.__kwdefaults__ = kwdefaults
+    else:
+        owner, name, obj = saved
+        setattr(owner, name, obj)
+
+
+def install(feature: str):
+    """Install every replacement of ``feature`` (idempotent)."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r}; known: {', '.join(FEATURES)}")
+    with _lock:
+        for rep in REPLACEMENTS:
+            if rep.feature == feature:
+                _install_one(rep)
+
+
+def ensure(*keys: str) -> bool:
+    """Install the named ``support`` replacements if they are not yet (first use)."""
+    with _lock:
+        done = True
+        for key in keys:
+            done = _install_one(_BY_KEY[key]) and done
+        return done
+
+
+def uninstall(feature: Optional[str] = None):
+    """Restore what ``feature`` (None: everything, support entries included) replaced."""
+    with _lock:
+        # reverse order: a later entry may wrap what an earlier one installed
+        for rep in reversed(REPLACEMENTS):
+            if rep.key in _installed and (feature is None or rep.feature == feature):
+                _uninstall_one(rep.key)
+
+
+def is_installed(key: str) -> bool:
+    return key in _installed
+
+
+def installed_keys() -> list:
+    return [r.key for r in REPLACEMENTS if r.key in _installed]

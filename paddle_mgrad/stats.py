@@ -1,0 +1,40 @@
+"""Counters that prove paddle_mgrad's paths ran, in one place.
+
+Trainers, the llama example and tests read them to assert that nothing was
+silently bypassed (e.g. "every decoder layer went through our recompute", "the
+fused op wrote N gradients into main_grad").  :func:`reset` zeroes them;
+:func:`snapshot` returns a plain copy to diff against later.
+"""
+from __future__ import annotations
+
+import threading
+
+__all__ = ["recompute", "linear", "fused_params", "reset", "snapshot"]
+
+_lock = threading.Lock()
+
+#: calls of paddle_mgrad.recompute by mode, and recomputations run in backward
+recompute = {"non_reentrant": 0, "reentrant": 0, "recomputations": 0}
+#: fused linear forwards/backwards, and gradients the op accumulated into main_grad
+linear = {"forward": 0, "backward": 0, "into_main_grad": 0}
+#: names of parameters whose gradient went through the fused op
+fused_params: set = set()
+
+
+def bump(counters: dict, key: str, n: int = 1):
+    with _lock:
+        counters[key] += n
+
+
+def reset():
+    with _lock:
+        for counters in (recompute, linear):
+            for k in counters:
+                counters[k] = 0
+        fused_params.clear()
+
+
+def snapshot() -> dict:
+    with _lock:
+        return {"recompute": dict(recompute), "linear": dict(linear),
+                "fused_params": set(fused_params)}
