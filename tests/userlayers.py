@@ -1,4 +1,9 @@
-"""PyLayers written the way users write them (see shared/seeds/000_*), used by several tests.
+"""PyLayers written the way users write them, used by several tests.
+
+They follow the PaddleNLP bug report this project started from (``--amp_master_grad``
++ ``--recompute --recompute_granularity full`` + ``--enable_linear_fused_grad_add``: a
+weight saved with ``ctx.save_for_backward`` came back in backward as ``<name>cpy`` without
+``main_grad``; ``save_for_backward(x, weight, None)`` raised ValueError on Paddle 2.6).
 
 ``SaveWeightAlone`` is the first form from the PaddleNLP report:
 ``ctx.save_for_backward(weight)`` with ``x``/``bias`` on ``ctx``.
