@@ -21,7 +21,7 @@ from . import _reference
 
 __all__ = ["fused_linear_param_grad_add", "backend", "load"]
 
-_SUPPORTED = ("float32", "bfloat16", "float16")
+_SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 _lock = threading.Lock()
 _state = {"module": None, "backend": None, "why": None}
 
@@ -67,6 +67,20 @@ def fallback_reason():
     return _state["why"]
 
 
+def mp_dtype(dtype) -> str:
+    """Paddle's MPTypeTrait: the multi-precision accumulator of an input dtype
+    (float64 for float64, float32 for everything else we support)."""
+    return "float64" if _dtype_name(dtype) == "float64" else "float32"
+
+
+def acc_dtypes(dtype, multi_precision) -> set:
+    """THE accumulator rule (the C++ core's ``pmg::acc_dtype_ok`` is the other half):
+    with multi_precision the accumulator is ``mp_dtype(dtype)``; without it, that or
+    the input dtype itself."""
+    mp = mp_dtype(dtype)
+    return {mp} if multi_precision else {mp, _dtype_name(dtype)}
+
+
 def _check(x, dout, dweight, dbias, multi_precision, has_bias):
     def bad(msg):
         raise FusedLinearError(
@@ -87,7 +101,7 @@ def _check(x, dout, dweight, dbias, multi_precision, has_bias):
     if x.dtype != dout.dtype:
         bad("x and dout must have the same dtype")
     K, N = x.shape[-1], dout.shape[-1]
-    acc_ok = {"float32"} if multi_precision else {"float32", _dtype_name(x.dtype)}
+    acc_ok = acc_dtypes(x.dtype, multi_precision)
     if dweight is not None:
         if list(dweight.shape) != [K, N]:
             bad(f"dweight must be [K, N] = [{K}, {N}]")
@@ -125,7 +139,9 @@ def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precisi
         raise FusedLinearError("fused_linear_param_grad_add: dweight must be contiguous "
                                "(it is updated in place)")
     module = load()
-    if module is None:
+    # K = 0 or N = 0: a zero-size [K, N] result, which Paddle 2.6's custom-op runtime rejects
+    # as "not initialized"; the reference handles it without a GEMM.
+    if module is None or 0 in (x.shape[-1], dout.shape[-1]):
         return _reference.fused_linear_param_grad_add(x, dout, dweight, dbias if has_bias else None,
                                                       multi_precision, has_bias)
     x, dout = _contiguous(x), _contiguous(dout)
