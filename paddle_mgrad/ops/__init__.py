@@ -19,7 +19,7 @@ from .._compat import paddle
 from ..errors import FusedLinearError
 from . import _reference
 
-__all__ = ["fused_linear_param_grad_add", "backend", "load"]
+__all__ = ["fused_linear_param_grad_add", "backend", "cpu_info", "load"]
 
 _SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 _lock = threading.Lock()
@@ -60,6 +60,38 @@ def backend() -> str:
     """``'cpp-onednn'``, ``'cpp-portable'`` (``+cuda`` when built with CUDA) or ``'python'``."""
     load()
     return _state["backend"]
+
+
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
+              "amx_tile")
+
+
+def cpu_info() -> dict:
+    """What the CPU path does with bf16 inputs, decided at run time by the C++ op.
+
+    ``{"isa": "avx2 fma f16c", "native_bf16": False, "bf16_path": "widen-sgemm"}``:
+    ``isa`` lists the relevant flags of ``/proc/cpuinfo``; ``native_bf16`` is the op's
+    cpuid check (avx512_bf16 or AMX-BF16 usable); ``bf16_path`` is how a bf16 call runs
+    now: ``"onednn-bf16"`` (oneDNN's bf16 GEMM), ``"widen-sgemm"`` (widen in row chunks
+    + fp32 GEMM), or ``"python"`` (fallback).  ``PADDLE_MGRAD_CPU_BF16=native|widen``
+    forces a path (read on every call).
+    """
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    isa = " ".join(f for f in _ISA_FLAGS if f in flags) or "unknown"
+    module = load()
+    if module is None:
+        return {"isa": isa, "native_bf16": None, "bf16_path": "python"}
+    info = module.pmg_backend_info(paddle.zeros([1])).numpy()
+    path = {1: "onednn-bf16", 0: "widen-sgemm"}.get(int(info[3]), "invalid PADDLE_MGRAD_CPU_BF16")
+    return {"isa": isa, "native_bf16": bool(info[2]), "bf16_path": path}
 
 
 def fallback_reason():
