@@ -460,6 +460,9 @@ def test_c_api_zero_size_null_pointers_and_float64(tmp_path):
     db = np.full([3], 2.0, "float32")
     assert call(None, dy, 0, 4, 0, 3, None, 0, db, 0) == 0, err.value  # K = 0: x never read
     np.testing.assert_array_equal(db, np.full([3], 6.0))
+    guard = np.full([2], 7.0, "float32")  # K = 0 with a non-null dW: nothing written or read
+    assert call(None, dy, 0, 4, 0, 3, guard, 0, None, 0) == 0, err.value
+    np.testing.assert_array_equal(guard, [7.0, 7.0])
     assert call(None, None, 0, 0, 5, 3, np.ones([5, 3], "float32"), 0, db, 0) == 0, err.value
     assert call(None, dy, 0, 4, 5, 3, np.ones([5, 3], "float32"), 0, None, 0) == 1
     assert b"null input pointer x" in err.value
