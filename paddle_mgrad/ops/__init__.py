@@ -6,8 +6,13 @@ with beta = 1, or a portable OpenMP kernel; CUDA: cuBLASLt when Paddle is
 built with CUDA).  If the op cannot be built, a pure-Paddle fallback with the
 same results is used and one warning says why.  :func:`backend` tells which.
 
+Inputs: float32, bfloat16, float16, float64 (float64 accumulates in float64:
+Paddle's MPTypeTrait<double> is double); any of M, K, N may be 0.
+
 Environment: ``PADDLE_MGRAD_OPS=python`` forces the fallback;
-``PADDLE_MGRAD_CACHE`` moves the JIT build cache.
+``PADDLE_MGRAD_CACHE`` moves the JIT build cache; ``PADDLE_MGRAD_CPU_BF16=native|widen``
+forces how bf16 inputs run on the CPU (default ``auto``: oneDNN's bf16 GEMM on CPUs
+with native bf16, else widen to fp32 in row chunks + fp32 GEMM; see :func:`cpu_info`).
 """
 from __future__ import annotations
 
