@@ -40,14 +40,18 @@ import paddle  # noqa: E402
 from paddle_mgrad import ops  # noqa: E402
 
 
-def bench(fn, repeat):
-    fn()  # warm-up (and JIT build)
-    ts = []
+def bench_all(variants, repeat):
+    """Times {name: fn} in interleaved rounds (every variant once per round, so load from
+    other processes hits them alike); returns {name: best time} (min: the least disturbed)."""
+    for fn in variants.values():
+        fn()  # warm-up (and JIT build)
+    ts = {name: [] for name in variants}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+    return {name: min(v) for name, v in ts.items()}
 
 
 def cpu_model():
@@ -106,55 +110,51 @@ def main():
     for shape in args.shapes.split(","):
         K, N = map(int, shape.split("x"))
         T = args.tokens
-        flop = 2.0 * T * K * N
         name = f"{T}x{K}x{N}"
         rs = np.random.RandomState(0)
         xn = rs.standard_normal([T, K]).astype("float32")
         yn = rs.standard_normal([T, N]).astype("float32")
-        t_np = bench(lambda: xn.T @ yn, args.repeat)
-        t_dnnl = float("inf")
-        if sg is not None:
-            cn = np.zeros([K, N], "float32")
-            t_dnnl = bench(lambda: sg(b"T", b"N", K, N, T, 1.0, xn.ctypes.data, K, yn.ctypes.data,
-                                      N, 1.0, cn.ctypes.data, N), args.repeat)
-        t_plain = min(t_np, t_dnnl)
+        cn = np.zeros([K, N], "float32")
         mg = paddle.zeros([K, N], "float32")
         x32, y32 = paddle.to_tensor(xn), paddle.to_tensor(yn)
-        t32 = bench(lambda: ops.fused_linear_param_grad_add(x32, y32, mg, None, True, False),
-                    args.repeat)
-        rows.append((name, "fp32", "ours (dnnl_sgemm)", t32, t32 / t_plain, 1.0))
-        rows.append((name, "fp32", "numpy sgemm", t_np, t_np / t_plain, t32 / t_np))
-        if sg is not None:
-            rows.append((name, "fp32", "raw dnnl_sgemm", t_dnnl, t_dnnl / t_plain, t32 / t_dnnl))
         xb, yb = x32.astype("bfloat16"), y32.astype("bfloat16")
-        paths = [("auto", f"ours bf16 ({info['bf16_path']}, auto)")]
-        paths.append(("widen", "ours bf16 (widen-sgemm, forced)"))
-        if not args.no_native:
-            paths.append(("native", "ours bf16 (onednn-bf16, forced)"))
-        for path, label in paths:
-            tb = with_bf16_path(path, lambda: bench(
-                lambda: ops.fused_linear_param_grad_add(xb, yb, mg, None, True, False), args.repeat))
-            rows.append((name, "bf16", label, tb, tb / t_plain, t32 / tb))
-            if path == "auto":
-                summary.append((name, t32 / tb, t32 / t_plain))
         xh, yh = x32.astype("float16"), y32.astype("float16")
-        th = bench(lambda: ops.fused_linear_param_grad_add(xh, yh, mg, None, True, False), args.repeat)
-        rows.append((name, "fp16", "ours fp16 (widen-sgemm)", th, th / t_plain, t32 / th))
+
+        def op(x, dy, acc=mg, path=None):
+            if path is None:
+                return lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False)
+            return lambda: with_bf16_path(
+                path, lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False))
+
+        v = {"ours fp32 (dnnl_sgemm)": op(x32, y32), "numpy sgemm": lambda: xn.T @ yn}
+        if sg is not None:
+            v["raw dnnl_sgemm"] = lambda: sg(b"T", b"N", K, N, T, 1.0, xn.ctypes.data, K,
+                                             yn.ctypes.data, N, 1.0, cn.ctypes.data, N)
+        v[f"ours bf16 ({info['bf16_path']}, auto)"] = op(xb, yb)
+        v["ours bf16 (widen-sgemm, forced)"] = op(xb, yb, path="widen")
+        if not args.no_native:
+            v["ours bf16 (onednn-bf16, forced)"] = op(xb, yb, path="native")
+        v["ours fp16 (widen-sgemm)"] = op(xh, yh)
         if not args.no_unfused:
             def unfused():
                 g = paddle.matmul(xb.astype("float32"), yb.astype("float32"), transpose_x=True)
                 mg.add_(g.astype("float32"))
-            tu = bench(unfused, args.repeat)
-            rows.append((name, "bf16", "Paddle unfused (cast+matmul+add_)", tu, tu / t_plain, t32 / tu))
+            v["Paddle unfused bf16 (cast+matmul+add_)"] = unfused
         if args.fp64:
             x64, y64 = xn.astype("float64"), yn.astype("float64")
-            t_np64 = bench(lambda: x64.T @ y64, args.repeat)
             xd, yd = paddle.to_tensor(x64), paddle.to_tensor(y64)
             md = paddle.zeros([K, N], "float64")
-            td = bench(lambda: ops.fused_linear_param_grad_add(xd, yd, md, None, True, False),
-                       args.repeat)
-            rows.append((name, "fp64", "ours fp64 (blocked DGEMM)", td, td / t_np64, t32 / td))
-            rows.append((name, "fp64", "numpy dgemm", t_np64, 1.0, t32 / t_np64))
+            v["ours fp64 (blocked DGEMM)"] = op(xd, yd, md)
+            v["numpy dgemm"] = lambda: x64.T @ y64
+        t = bench_all(v, args.repeat)
+        t32 = t["ours fp32 (dnnl_sgemm)"]
+        t_plain = min(t["numpy sgemm"], t.get("raw dnnl_sgemm", float("inf")))
+        for what, tw in t.items():
+            dt = what.split()[1] if what.startswith("ours") else (
+                "fp64" if "dgemm" in what else ("bf16" if "bf16" in what else "fp32"))
+            base = t["numpy dgemm"] if dt == "fp64" else t_plain
+            rows.append((name, dt, what, tw, tw / base, t32 / tw))
+        summary.append((name, t32 / t[f"ours bf16 ({info['bf16_path']}, auto)"], t32 / t_plain))
     print()
     print("| T x K x N | input | what | GFLOP/s | time / fastest plain sgemm | throughput / ours fp32 |")
     print("|---|---|---|---|---|---|")
@@ -162,7 +162,8 @@ def main():
         T, K, N = map(int, name.split("x"))
         print(f"| {name} | {dt} | {what} | {2.0 * T * K * N / t / 1e9:.1f} | {vs_plain:.2f} | "
               f"{vs32:.2f} |")
-    print("(fp64 rows: 'time / fastest plain' is against numpy's dgemm)" if args.fp64 else "")
+    print(f"(best of {args.repeat} interleaved rounds; fp64 rows: 'time / fastest plain' is "
+          "against numpy's dgemm)")
     target = ">= 1.8" if info["native_bf16"] else ">= 0.85"
     for name, ratio, fp32_vs_plain in summary:
         print(f"{name}: bf16 (auto path) throughput / fp32 op = {ratio:.2f} (target {target}); "
