@@ -1,5 +1,6 @@
 // A C ABI over the framework-free core, for ctypes (benchmarks/gpu/ and the
-// Paddle-free core tests).  dtype codes: 0 = float32, 1 = bfloat16, 2 = float16.
+// Paddle-free core tests).  dtype codes: 0 = float32, 1 = bfloat16, 2 = float16,
+// 3 = float64 (pmg::DType).
 // Returns 0 on success, else 1 with the message copied into err[err_len].
 #include <cstring>
 #include <string>
@@ -39,34 +40,33 @@ int finish(const std::string& msg, char* err, int err_len) {
   return 1;
 }
 
-bool valid_dtype(int d) { return d >= 0 && d <= 2; }
-
 }  // namespace
 
 extern "C" {
 
 const char* pmg_cpu_gemm_backend() { return pmg::cpu_gemm_backend(); }
+// What the CPU offers (run-time cpuid), and how a bf16 call would run now
+// ("onednn-bf16" or "widen-sgemm"; PADDLE_MGRAD_CPU_BF16 forces one).
+const char* pmg_cpu_isa() { return pmg::cpu_isa(); }
+const char* pmg_cpu_bf16_path() { return pmg::cpu_bf16_path(); }
 
 int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                     void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
                     char* err, int err_len) {
-  if (!valid_dtype(in_dtype) || !valid_dtype(dw_dtype) || !valid_dtype(db_dtype))
-    return finish("dtype code must be 0 (float32), 1 (bfloat16) or 2 (float16)", err, err_len);
-  return finish(pmg::wgrad_cpu(make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db,
-                                         db_dtype, db_beta)),
-                err, err_len);
+  const pmg::WgradArgs a =
+      make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta);
+  const std::string bad = pmg::check_args(a);
+  return finish(bad.empty() ? pmg::wgrad_cpu(a) : bad, err, err_len);
 }
 
 #ifdef PMG_WITH_CUDA
 int pmg_wgrad_cuda_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                      void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
                      void* stream, int device, char* err, int err_len) {
-  if (!valid_dtype(in_dtype) || !valid_dtype(dw_dtype) || !valid_dtype(db_dtype))
-    return finish("dtype code must be 0 (float32), 1 (bfloat16) or 2 (float16)", err, err_len);
-  return finish(pmg::wgrad_cuda(make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db,
-                                          db_dtype, db_beta),
-                                stream, device),
-                err, err_len);
+  const pmg::WgradArgs a =
+      make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta);
+  const std::string bad = pmg::check_args(a);
+  return finish(bad.empty() ? pmg::wgrad_cuda(a, stream, device) : bad, err, err_len);
 }
 #endif
 

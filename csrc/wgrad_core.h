@@ -1,11 +1,16 @@
 // Weight/bias-gradient accumulation core.  Knows nothing about Paddle.
 //
-//   dW[K, N] = beta * dW + X[M, K]^T . dY[M, N]      (row-major, fp32 accumulate)
+//   dW[K, N] = beta * dW + X[M, K]^T . dY[M, N]      (row-major)
 //   db[N]    = beta * db + sum_m dY[m, :]
 //
 // beta is 1 to accumulate into an existing buffer (fp32 master gradients,
-// `main_grad`) and 0 to fill a fresh one.  Inputs may be fp32, bf16 or fp16;
-// outputs fp32 (multi-precision) or the input dtype.
+// `main_grad`) and 0 to fill a fresh one.  Inputs may be fp32, bf16, fp16 or
+// fp64.  Accumulators are the input dtype or its "multi-precision" type
+// (mp_type: fp32 for fp32/bf16/fp16, fp64 for fp64 -- Paddle's MPTypeTrait);
+// sums are computed in mp_type and rounded once into the accumulator.
+//
+// Any of M, K, N may be 0: a zero-element tensor's data pointer may be null,
+// and the core reads X only when M, K, N > 0 and dY only when M, N > 0.
 #pragma once
 
 #include <cstdint>
@@ -13,9 +18,18 @@
 
 namespace pmg {
 
-enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
 
 const char* dtype_name(DType t);
+
+inline bool valid_dtype_code(int d) { return d >= 0 && d <= 3; }
+
+// Paddle's MPTypeTrait: the accumulation type of an input dtype.
+inline DType mp_type(DType in) { return in == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+// THE accumulator rule (checked here for both bindings, and once in Python's
+// ops._check): an accumulator is the input dtype or its multi-precision type.
+inline bool acc_dtype_ok(DType in, DType acc) { return acc == in || acc == mp_type(in); }
 
 struct WgradArgs {
   const void* x = nullptr;   // [M, K], dtype in_dtype
@@ -30,9 +44,28 @@ struct WgradArgs {
   float db_beta = 1.f;
 };
 
+// Validates dimensions, dtypes and the pointers the computation will read or
+// write.  Both bindings (wgrad_op.cc, wgrad_capi.cc) call it before a core;
+// the cores assume it passed.  Returns "" or a message naming the problem.
+std::string check_args(const WgradArgs& a);
+
 // Which GEMM the CPU path uses: "onednn" when linked against oneDNN, else
 // "portable" (blocked OpenMP loops).
 const char* cpu_gemm_backend();
+
+// What this CPU offers, detected at run time (cpuid + xgetbv), e.g.
+// "avx2 fma f16c" or "avx512f avx512_bf16 amx_bf16 ...".
+const char* cpu_isa();
+// True when the CPU has native bf16 dot products (avx512_bf16 or AMX-BF16)
+// usable by the OS.
+bool cpu_has_native_bf16();
+
+// How bf16 inputs are multiplied on the CPU, decided at run time on each call:
+//   "onednn-bf16"  oneDNN's dnnl_gemm_bf16bf16f32 (native bf16 CPUs),
+//   "widen-sgemm"  bf16 widened to fp32 in row chunks + fp32 GEMM (others).
+// PADDLE_MGRAD_CPU_BF16=native|widen forces one (auto: by the CPU).  Without
+// oneDNN the answer is always "widen-sgemm" (portable fp32 GEMM).
+const char* cpu_bf16_path();
 
 // Returns an empty string on success, else a message naming what failed.
 std::string wgrad_cpu(const WgradArgs& a);

@@ -1,15 +1,30 @@
-// CPU implementation of the weight/bias-gradient accumulation core.
+// CPU implementation of the weight/bias-gradient core.
 //
-// GEMM: oneDNN's row-major `dnnl_sgemm` / `dnnl_gemm_bf16bf16f32` (both take
-// beta, so accumulation into fp32 main_grad costs no extra pass) when the
-// build links the libdnnl.so.3 that ships with the Paddle wheel; otherwise a
-// blocked OpenMP loop nest.  fp16 inputs (no f16 GEMM in oneDNN's C API) and
-// bf16 on CPUs where oneDNN refuses bf16 are widened to fp32 in row chunks, so
-// the extra memory is bounded (kChunkRows rows of X and dY).
+// fp32 GEMM: oneDNN's row-major `dnnl_sgemm` (takes beta, so accumulating into
+// fp32 main_grad costs no extra pass) when the build links the libdnnl.so.3
+// that ships with the Paddle wheel; otherwise a blocked OpenMP loop nest.
+//
+// bf16 inputs: decided at RUN time (cpu_bf16_path()): on CPUs with native bf16
+// dot products (avx512_bf16 / AMX) oneDNN's `dnnl_gemm_bf16bf16f32`; elsewhere
+// (e.g. AVX2-only CPUs, where that call falls to a ~0.5 GFLOP/s reference
+// kernel) the inputs are widened to fp32 in row chunks and multiplied by the
+// fp32 GEMM.  fp16 inputs (no f16 GEMM in oneDNN's C API) are always widened.
+// The chunk loop applies beta on the first chunk only; kChunkRows bounds the
+// extra memory.
+//
+// fp64 inputs: our own packed, register-blocked OpenMP DGEMM (oneDNN has no
+// dgemm), whose micro-kernel is chosen at run time (AVX2+FMA or generic C++).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <immintrin.h>
+#define PMG_X86 1
+#endif
 
 #include "wgrad_core.h"
 
@@ -32,7 +47,7 @@ namespace pmg {
 namespace {
 constexpr int64_t kChunkRows = 512;  // rows of X/dY widened at a time
 constexpr int64_t kKB = 16;          // portable GEMM: rows of C per tile
-constexpr int64_t kNB = 512;         // portable GEMM: columns of C per tile
+constexpr int64_t kNB = 512;         // portable GEMM / bias: columns per tile
 }  // namespace
 
 const char* dtype_name(DType t) {
@@ -40,8 +55,35 @@ const char* dtype_name(DType t) {
     case DType::kF32: return "float32";
     case DType::kBF16: return "bfloat16";
     case DType::kF16: return "float16";
+    case DType::kF64: return "float64";
   }
   return "unknown";
+}
+
+std::string check_args(const WgradArgs& a) {
+  for (DType t : {a.in_dtype, a.dw_dtype, a.db_dtype})
+    if (!valid_dtype_code(static_cast<int>(t)))
+      return "dtype code must be 0 (float32), 1 (bfloat16), 2 (float16) or 3 (float64), got " +
+             std::to_string(static_cast<int>(t));
+  if (a.M < 0 || a.K < 0 || a.N < 0)
+    return "negative dimension (M=" + std::to_string(a.M) + ", K=" + std::to_string(a.K) +
+           ", N=" + std::to_string(a.N) + ")";
+  if (a.dw != nullptr && !acc_dtype_ok(a.in_dtype, a.dw_dtype))
+    return std::string("dweight is ") + dtype_name(a.dw_dtype) + "; it must be " +
+           dtype_name(a.in_dtype) + " or " + dtype_name(mp_type(a.in_dtype)) + " for " +
+           dtype_name(a.in_dtype) + " inputs";
+  if (a.db != nullptr && !acc_dtype_ok(a.in_dtype, a.db_dtype))
+    return std::string("dbias is ") + dtype_name(a.db_dtype) + "; it must be " +
+           dtype_name(a.in_dtype) + " or " + dtype_name(mp_type(a.in_dtype)) + " for " +
+           dtype_name(a.in_dtype) + " inputs";
+  // Zero-element tensors may have null data: only what will be read must exist.
+  const bool gemm = a.dw != nullptr && a.M > 0 && a.K > 0 && a.N > 0;
+  const bool bias = a.db != nullptr && a.M > 0 && a.N > 0;
+  if (gemm && a.x == nullptr)
+    return "null input pointer x [M=" + std::to_string(a.M) + ", K=" + std::to_string(a.K) + "]";
+  if ((gemm || bias) && a.dy == nullptr)
+    return "null input pointer dy [M=" + std::to_string(a.M) + ", N=" + std::to_string(a.N) + "]";
+  return "";
 }
 
 const char* cpu_gemm_backend() {
@@ -50,6 +92,89 @@ const char* cpu_gemm_backend() {
 #else
   return "portable";
 #endif
+}
+
+// ------------------------------------------------------------ run-time ISA
+namespace {
+
+struct Isa {
+  bool avx = false, avx2 = false, fma = false, f16c = false, avx512f = false,
+       avx512_core = false, avx512_bf16 = false, amx_bf16 = false;
+  std::string text;
+};
+
+Isa detect_isa() {
+  Isa s;
+#ifdef PMG_X86
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return s;
+  const bool osxsave = c & (1u << 27);
+  const bool has_avx = c & (1u << 28), has_fma = c & (1u << 12), has_f16c = c & (1u << 29);
+  uint64_t xcr0 = 0;
+  if (osxsave) {
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+  const bool os_ymm = (xcr0 & 0x6) == 0x6, os_zmm = (xcr0 & 0xe6) == 0xe6;
+  const bool os_amx = (xcr0 & 0x60000) == 0x60000;
+  unsigned b7 = 0, c7 = 0, d7 = 0, a71 = 0;
+  if (__get_cpuid_count(7, 0, &a, &b7, &c7, &d7)) {
+    unsigned b71, c71, d71;
+    if (a >= 1) __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71);
+  }
+  s.avx = has_avx && os_ymm;
+  s.avx2 = s.avx && (b7 & (1u << 5));
+  s.fma = s.avx && has_fma;
+  s.f16c = s.avx && has_f16c;
+  s.avx512f = os_zmm && (b7 & (1u << 16));
+  // oneDNN's avx512_core: F + BW + VL + DQ
+  s.avx512_core = s.avx512f && (b7 & (1u << 30)) && (b7 & (1u << 31)) && (b7 & (1u << 17));
+  s.avx512_bf16 = s.avx512_core && (a71 & (1u << 5));
+  s.amx_bf16 = s.avx512_core && os_amx && (d7 & (1u << 22)) && (d7 & (1u << 24));
+#endif
+  const char* names[] = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_core", "avx512_bf16",
+                         "amx_bf16"};
+  const bool flags[] = {s.avx, s.avx2, s.fma, s.f16c, s.avx512f, s.avx512_core, s.avx512_bf16,
+                        s.amx_bf16};
+  for (int i = 0; i < 8; ++i)
+    if (flags[i]) s.text += (s.text.empty() ? "" : " ") + std::string(names[i]);
+  if (s.text.empty()) s.text = "baseline";
+  return s;
+}
+
+const Isa& isa() {
+  static const Isa s = detect_isa();  // thread-safe init
+  return s;
+}
+
+enum class Bf16Path { kOnednn, kWiden, kBadEnv };
+
+Bf16Path bf16_path() {
+#ifndef PMG_WITH_ONEDNN
+  return Bf16Path::kWiden;
+#else
+  const char* env = std::getenv("PADDLE_MGRAD_CPU_BF16");
+  const std::string v = env ? env : "";
+  if (v == "native") return Bf16Path::kOnednn;
+  if (v == "widen") return Bf16Path::kWiden;
+  if (!v.empty() && v != "auto") return Bf16Path::kBadEnv;
+  return cpu_has_native_bf16() ? Bf16Path::kOnednn : Bf16Path::kWiden;
+#endif
+}
+
+}  // namespace
+
+const char* cpu_isa() { return isa().text.c_str(); }
+bool cpu_has_native_bf16() { return isa().avx512_bf16 || isa().amx_bf16; }
+
+const char* cpu_bf16_path() {
+  switch (bf16_path()) {
+    case Bf16Path::kOnednn: return "onednn-bf16";
+    case Bf16Path::kWiden: return "widen-sgemm";
+    case Bf16Path::kBadEnv: break;
+  }
+  return "invalid PADDLE_MGRAD_CPU_BF16";
 }
 
 // ------------------------------------------------------------ conversions
@@ -122,6 +247,7 @@ inline float load(const void* p, DType t, int64_t i) {
     case DType::kF32: return static_cast<const float*>(p)[i];
     case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF64: return static_cast<float>(static_cast<const double*>(p)[i]);
   }
   return 0.f;
 }
@@ -131,22 +257,58 @@ inline void store(void* p, DType t, int64_t i, float v) {
     case DType::kF32: static_cast<float*>(p)[i] = v; break;
     case DType::kBF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
     case DType::kF16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+    case DType::kF64: static_cast<double*>(p)[i] = v; break;
   }
 }
 
-size_t elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+size_t elem_size(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kF64: return 8;
+    default: return 2;
+  }
+}
+
+// ------------------------------------------------------------ widening
+void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &u, 4);
+  }
+}
+
+#ifdef PMG_X86
+__attribute__((target("avx,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t n,
+                                                         float* dst) {
+  const int64_t blocks = n / 8;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * b));
+    _mm256_storeu_ps(dst + 8 * b, _mm256_cvtph_ps(h));
+  }
+  for (int64_t i = blocks * 8; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+}
+#endif
 
 void widen(const void* src, DType t, int64_t n, float* dst) {
+  if (t == DType::kBF16) return widen_bf16(static_cast<const uint16_t*>(src), n, dst);
+#ifdef PMG_X86
+  if (t == DType::kF16 && isa().f16c)
+    return widen_f16_f16c(static_cast<const uint16_t*>(src), n, dst);
+#endif
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) dst[i] = load(src, t, i);
 }
 
-void scale_or_zero(float* c, int64_t n, float beta) {
+template <typename T>
+void scale_or_zero(T* c, int64_t n, float beta) {
   if (beta == 1.f) return;
 #pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) c[i] = beta == 0.f ? 0.f : beta * c[i];
+  for (int64_t i = 0; i < n; ++i) c[i] = beta == 0.f ? T(0) : static_cast<T>(beta) * c[i];
 }
 
+// ------------------------------------------------------------ fp32 GEMM
 // C[K, N] = beta * C + A[M, K]^T . B[M, N], fp32, row-major.
 void portable_sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K,
                        int64_t N, float beta) {
@@ -171,34 +333,38 @@ void portable_sgemm_tn(const float* A, const float* B, float* C, int64_t M, int6
   }
 }
 
-std::string sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K, int64_t N,
-                     float beta) {
+void sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K, int64_t N,
+              float beta) {
 #ifdef PMG_WITH_ONEDNN
-  int st = dnnl_sgemm('T', 'N', K, N, M, 1.f, A, K, B, N, beta, C, N);
-  if (st == 0) return "";
+  if (dnnl_sgemm('T', 'N', K, N, M, 1.f, A, K, B, N, beta, C, N) == 0) return;
   // Any refusal (unusual shapes, ISA): the portable kernel computes the same thing.
 #endif
   portable_sgemm_tn(A, B, C, M, K, N, beta);
-  return "";
 }
 
-// fp32 accumulate of any input dtype into fp32 C.
+// fp32 accumulate of any 16/32-bit input dtype into fp32 C (K, N > 0).
 std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
   const int64_t M = a.M, K = a.K, N = a.N;
   if (M == 0) {
     scale_or_zero(C, K * N, beta);
     return "";
   }
-  if (a.in_dtype == DType::kF32)
-    return sgemm_tn(static_cast<const float*>(a.x), static_cast<const float*>(a.dy), C, M, K, N,
-                    beta);
-#ifdef PMG_WITH_ONEDNN
-  if (a.in_dtype == DType::kBF16) {
-    int st = dnnl_gemm_bf16bf16f32('T', 'N', K, N, M, 1.f, static_cast<const uint16_t*>(a.x), K,
-                                   static_cast<const uint16_t*>(a.dy), N, beta, C, N);
-    if (st == 0) return "";
+  if (a.in_dtype == DType::kF32) {
+    sgemm_tn(static_cast<const float*>(a.x), static_cast<const float*>(a.dy), C, M, K, N, beta);
+    return "";
   }
+  if (a.in_dtype == DType::kBF16) {
+    const Bf16Path path = bf16_path();
+    if (path == Bf16Path::kBadEnv)
+      return std::string("PADDLE_MGRAD_CPU_BF16 must be auto, native or widen, got '") +
+             std::getenv("PADDLE_MGRAD_CPU_BF16") + "'";
+#ifdef PMG_WITH_ONEDNN
+    if (path == Bf16Path::kOnednn &&
+        dnnl_gemm_bf16bf16f32('T', 'N', K, N, M, 1.f, static_cast<const uint16_t*>(a.x), K,
+                              static_cast<const uint16_t*>(a.dy), N, beta, C, N) == 0)
+      return "";
 #endif
+  }
   // Widen row chunks to fp32; the first chunk applies beta, later ones accumulate.
   const int64_t rows = std::min(M, kChunkRows);
   std::vector<float> xa(static_cast<size_t>(rows * K)), ya(static_cast<size_t>(rows * N));
@@ -207,12 +373,155 @@ std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
     const int64_t r = std::min(rows, M - m0);
     widen(static_cast<const char*>(a.x) + m0 * K * es, a.in_dtype, r * K, xa.data());
     widen(static_cast<const char*>(a.dy) + m0 * N * es, a.in_dtype, r * N, ya.data());
-    std::string err = sgemm_tn(xa.data(), ya.data(), C, r, K, N, m0 == 0 ? beta : 1.f);
-    if (!err.empty()) return err;
+    sgemm_tn(xa.data(), ya.data(), C, r, K, N, m0 == 0 ? beta : 1.f);
   }
   return "";
 }
 
+// ------------------------------------------------------------ fp64 GEMM
+// C[K, N] (+)= A[M, K]^T . B[M, N] in double: GotoBLAS-style blocking.  The
+// reduction dim (M) is cut into kDc-deep slices; for each slice a kDNc-wide
+// panel of B is packed into kNr-column strips, then OpenMP threads take
+// kDMc-row blocks of C, pack the matching A^T block into kMr-row strips and run
+// a kMr x kNr register-tile micro-kernel over them.  Packed strips are
+// zero-padded, so edge tiles need no special kernel.
+constexpr int kMr = 6, kNr = 8;
+constexpr int64_t kDc = 256, kDMc = 96, kDNc = 1024;
+
+using MicroKernel = void (*)(int64_t, const double*, const double*, double*, int64_t, int, int);
+
+inline void store_tile(const double* acc, double* c, int64_t ldc, int mr, int nr) {
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) c[i * ldc + j] += acc[i * kNr + j];
+}
+
+void micro_generic(int64_t kc, const double* a, const double* b, double* c, int64_t ldc, int mr,
+                   int nr) {
+  double acc[kMr * kNr] = {};
+  for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr)
+    for (int i = 0; i < kMr; ++i)
+#pragma omp simd
+      for (int j = 0; j < kNr; ++j) acc[i * kNr + j] += a[i] * b[j];
+  store_tile(acc, c, ldc, mr, nr);
+}
+
+#ifdef PMG_X86
+__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a,
+                                                    const double* b, double* c, int64_t ldc,
+                                                    int mr, int nr) {
+  __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+          c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr) {
+    const __m256d b0 = _mm256_load_pd(b), b1 = _mm256_load_pd(b + 4);
+    __m256d x = _mm256_broadcast_sd(a + 0);
+    c00 = _mm256_fmadd_pd(x, b0, c00); c01 = _mm256_fmadd_pd(x, b1, c01);
+    x = _mm256_broadcast_sd(a + 1);
+    c10 = _mm256_fmadd_pd(x, b0, c10); c11 = _mm256_fmadd_pd(x, b1, c11);
+    x = _mm256_broadcast_sd(a + 2);
+    c20 = _mm256_fmadd_pd(x, b0, c20); c21 = _mm256_fmadd_pd(x, b1, c21);
+    x = _mm256_broadcast_sd(a + 3);
+    c30 = _mm256_fmadd_pd(x, b0, c30); c31 = _mm256_fmadd_pd(x, b1, c31);
+    x = _mm256_broadcast_sd(a + 4);
+    c40 = _mm256_fmadd_pd(x, b0, c40); c41 = _mm256_fmadd_pd(x, b1, c41);
+    x = _mm256_broadcast_sd(a + 5);
+    c50 = _mm256_fmadd_pd(x, b0, c50); c51 = _mm256_fmadd_pd(x, b1, c51);
+  }
+  if (mr == kMr && nr == kNr) {
+    const __m256d rows[kMr][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                  {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int i = 0; i < kMr; ++i) {
+      double* ci = c + i * ldc;
+      _mm256_storeu_pd(ci, _mm256_add_pd(_mm256_loadu_pd(ci), rows[i][0]));
+      _mm256_storeu_pd(ci + 4, _mm256_add_pd(_mm256_loadu_pd(ci + 4), rows[i][1]));
+    }
+    return;
+  }
+  alignas(32) double acc[kMr * kNr];
+  const __m256d all[kMr * 2] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+  for (int i = 0; i < kMr * 2; ++i) _mm256_store_pd(acc + 4 * i, all[i]);
+  store_tile(acc, c, ldc, mr, nr);
+}
+#endif
+
+MicroKernel pick_dgemm_kernel() {
+#ifdef PMG_X86
+  if (isa().avx2 && isa().fma) return micro_avx2;
+#endif
+  return micro_generic;
+}
+
+struct AlignedBuf {  // 64-byte aligned scratch (the AVX2 kernel uses aligned loads)
+  double* p = nullptr;
+  explicit AlignedBuf(size_t n) {
+    p = static_cast<double*>(std::aligned_alloc(64, ((n * sizeof(double) + 63) / 64) * 64));
+  }
+  ~AlignedBuf() { std::free(p); }
+};
+
+// Requires M, K, N > 0.
+std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K,
+                     int64_t N, float beta) {
+  scale_or_zero(C, K * N, beta);
+  const MicroKernel micro = pick_dgemm_kernel();
+  const int64_t nc_max = std::min(N, kDNc), kc_max = std::min(M, kDc);
+  const int64_t strips_max = (nc_max + kNr - 1) / kNr;
+  AlignedBuf bp(static_cast<size_t>(strips_max * kNr * kc_max));
+  if (bp.p == nullptr) return "out of memory (fp64 GEMM packing buffer)";
+  const int64_t row_blocks = (K + kDMc - 1) / kDMc;
+  bool oom = false;
+  for (int64_t n0 = 0; n0 < N; n0 += kDNc) {
+    const int64_t nc = std::min(kDNc, N - n0), strips = (nc + kNr - 1) / kNr;
+    for (int64_t m0 = 0; m0 < M; m0 += kDc) {
+      const int64_t kc = std::min(kDc, M - m0);
+      // Pack B[m0:m0+kc, n0:n0+nc] as strips [strip][p][kNr].
+#pragma omp parallel for schedule(static)
+      for (int64_t s = 0; s < strips; ++s) {
+        double* dst = bp.p + s * kc * kNr;
+        const int64_t j0 = n0 + s * kNr, w = std::min<int64_t>(kNr, n0 + nc - j0);
+        for (int64_t p = 0; p < kc; ++p) {
+          const double* src = B + (m0 + p) * N + j0;
+          for (int64_t j = 0; j < kNr; ++j) dst[p * kNr + j] = j < w ? src[j] : 0.0;
+        }
+      }
+#pragma omp parallel
+      {
+        AlignedBuf ap(static_cast<size_t>(kDMc * kc));
+        if (ap.p == nullptr) {
+#pragma omp atomic write
+          oom = true;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t rb = 0; rb < row_blocks; ++rb) {
+          if (ap.p == nullptr) continue;
+          const int64_t k0 = rb * kDMc, mc = std::min(kDMc, K - k0);
+          const int64_t rstrips = (mc + kMr - 1) / kMr;
+          // Pack A^T[k0:k0+mc, m0:m0+kc] as strips [strip][p][kMr] (A row m is contiguous in k).
+          for (int64_t r = 0; r < rstrips; ++r) {
+            double* dst = ap.p + r * kc * kMr;
+            const int64_t i0 = k0 + r * kMr, h = std::min<int64_t>(kMr, k0 + mc - i0);
+            for (int64_t p = 0; p < kc; ++p) {
+              const double* src = A + (m0 + p) * K + i0;
+              for (int64_t i = 0; i < kMr; ++i) dst[p * kMr + i] = i < h ? src[i] : 0.0;
+            }
+          }
+          for (int64_t s = 0; s < strips; ++s) {
+            const int64_t j0 = n0 + s * kNr;
+            const int nr = static_cast<int>(std::min<int64_t>(kNr, n0 + nc - j0));
+            for (int64_t r = 0; r < rstrips; ++r) {
+              const int64_t i0 = k0 + r * kMr;
+              const int mr = static_cast<int>(std::min<int64_t>(kMr, k0 + mc - i0));
+              micro(kc, ap.p + r * kc * kMr, bp.p + s * kc * kNr, C + i0 * N + j0, N, mr, nr);
+            }
+          }
+        }
+      }
+      if (oom) return "out of memory (fp64 GEMM packing buffer)";
+    }
+  }
+  return "";
+}
+
+// ------------------------------------------------------------ bias
 void bias_grad(const WgradArgs& a) {
   const int64_t M = a.M, N = a.N, nt = (N + kNB - 1) / kNB;
 #pragma omp parallel for schedule(static)
@@ -238,13 +547,45 @@ void bias_grad(const WgradArgs& a) {
   }
 }
 
+void bias_grad_f64(const WgradArgs& a) {  // fp64 in, fp64 out (the only fp64 accumulator)
+  const int64_t M = a.M, N = a.N, nt = (N + kNB - 1) / kNB;
+  const double* dy = static_cast<const double*>(a.dy);
+  double* db = static_cast<double*>(a.db);
+#pragma omp parallel for schedule(static)
+  for (int64_t ni = 0; ni < nt; ++ni) {
+    const int64_t n0 = ni * kNB, nl = std::min(N, n0 + kNB) - n0;
+    double acc[kNB];
+    for (int64_t n = 0; n < nl; ++n) acc[n] = 0.0;
+    for (int64_t m = 0; m < M; ++m) {
+      const double* row = dy + m * N + n0;
+#pragma omp simd
+      for (int64_t n = 0; n < nl; ++n) acc[n] += row[n];
+    }
+    for (int64_t n = 0; n < nl; ++n)
+      db[n0 + n] = (a.db_beta == 0.f ? 0.0 : a.db_beta * db[n0 + n]) + acc[n];
+  }
+}
+
+std::string wgrad_f64(const WgradArgs& a) {
+  if (a.dw != nullptr && a.K > 0 && a.N > 0) {
+    double* C = static_cast<double*>(a.dw);
+    if (a.M == 0) {
+      scale_or_zero(C, a.K * a.N, a.dw_beta);
+    } else {
+      std::string err = dgemm_tn(static_cast<const double*>(a.x),
+                                 static_cast<const double*>(a.dy), C, a.M, a.K, a.N, a.dw_beta);
+      if (!err.empty()) return err;
+    }
+  }
+  if (a.db != nullptr && a.N > 0) bias_grad_f64(a);
+  return "";
+}
+
 }  // namespace
 
 std::string wgrad_cpu(const WgradArgs& a) {
-  if (a.M < 0 || a.K < 0 || a.N < 0) return "negative dimension";
-  if ((a.M > 0 && (a.x == nullptr || a.dy == nullptr)))
-    return "null input pointer";
-  if (a.dw != nullptr) {
+  if (a.in_dtype == DType::kF64) return wgrad_f64(a);  // accumulators are fp64 (check_args)
+  if (a.dw != nullptr && a.K > 0 && a.N > 0) {
     if (a.dw_dtype == DType::kF32) {
       std::string err = gemm_f32acc(a, static_cast<float*>(a.dw), a.dw_beta);
       if (!err.empty()) return err;
@@ -261,7 +602,7 @@ std::string wgrad_cpu(const WgradArgs& a) {
       }
     }
   }
-  if (a.db != nullptr) bias_grad(a);
+  if (a.db != nullptr && a.N > 0) bias_grad(a);
   return "";
 }
 

@@ -1,6 +1,8 @@
 // CUDA core: dW = beta*dW + X^T.dY with one cuBLASLt matmul (fp32 compute,
-// C in fp32 for master gradients or in the input dtype), and db = beta*db +
-// sum_m dY with a deterministic two-pass column reduction.  No Paddle here.
+// C in fp32 for master gradients or in the input dtype; fp64 inputs: fp64
+// compute and C, as Paddle's MPTypeTrait<double>), and db = beta*db + sum_m dY
+// with a deterministic two-pass column reduction.  No Paddle here.  Arguments
+// were validated by pmg::check_args (wgrad_core.h) in the binding.
 //
 // Row-major dW[K, N] is column-major dW^T[N, K] = dY^T[N, M] . X[M, K], so in
 // cuBLAS terms: m = N, n = K, k = M; A = dY stored col-major N x M (ld N, op N);
@@ -79,11 +81,12 @@ cudaDataType_t cuda_type(DType t) {
     case DType::kF32: return CUDA_R_32F;
     case DType::kBF16: return CUDA_R_16BF;
     case DType::kF16: return CUDA_R_16F;
+    case DType::kF64: return CUDA_R_64F;
   }
   return CUDA_R_32F;
 }
 
-size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+size_t elem_bytes(DType t) { return t == DType::kF32 ? 4 : (t == DType::kF64 ? 8 : 2); }
 
 std::string get_resources(int device, void* stream, cublasLtHandle_t* handle, Workspace* ws,
                           int* sms) {
@@ -138,7 +141,9 @@ std::string gemm(const WgradArgs& p, cudaStream_t stream, int device) {
 
   Descs d;
   const cudaDataType_t in_t = cuda_type(p.in_dtype), c_t = cuda_type(p.dw_dtype);
-  PMG_CUBLAS(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const bool f64 = p.in_dtype == DType::kF64;
+  PMG_CUBLAS(cublasLtMatmulDescCreate(&d.op, f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
+                                      f64 ? CUDA_R_64F : CUDA_R_32F));
   cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_T;
   PMG_CUBLAS(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   PMG_CUBLAS(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
@@ -176,8 +181,10 @@ std::string gemm(const WgradArgs& p, cudaStream_t stream, int device) {
     g_algos[{device, key}] = algo;
   }
   const float alpha = 1.f, beta = p.dw_beta;
-  PMG_CUBLAS(cublasLtMatmul(handle, d.op, &alpha, p.dy, d.a, p.x, d.b, &beta, p.dw, d.c, p.dw,
-                            d.c, &algo, ws.ptr, ws.bytes, stream));
+  const double alpha64 = 1.0, beta64 = p.dw_beta;  // the scale type is fp64 for fp64 compute
+  PMG_CUBLAS(cublasLtMatmul(handle, d.op, f64 ? static_cast<const void*>(&alpha64) : &alpha, p.dy,
+                            d.a, p.x, d.b, f64 ? static_cast<const void*>(&beta64) : &beta, p.dw,
+                            d.c, p.dw, d.c, &algo, ws.ptr, ws.bytes, stream));
   return "";
 }
 
@@ -190,40 +197,51 @@ __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return
 template <>
 __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
 
-__device__ __forceinline__ float load_any(const void* p, int t, int64_t i) {
+// Accumulation type of the bias sums: fp32, or fp64 for fp64 inputs.
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+__device__ __forceinline__ double load_any(const void* p, int t, int64_t i) {
   if (t == 0) return static_cast<const float*>(p)[i];
   if (t == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  if (t == 3) return static_cast<const double*>(p)[i];
   return __half2float(static_cast<const __half*>(p)[i]);
 }
 
-__device__ __forceinline__ void store_any(void* p, int t, int64_t i, float v) {
-  if (t == 0) static_cast<float*>(p)[i] = v;
-  else if (t == 1) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(v);
-  else static_cast<__half*>(p)[i] = __float2half(v);
+template <typename A>
+__device__ __forceinline__ void store_any(void* p, int t, int64_t i, A v) {
+  if (t == 0) static_cast<float*>(p)[i] = static_cast<float>(v);
+  else if (t == 1) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(static_cast<float>(v));
+  else if (t == 3) static_cast<double*>(p)[i] = static_cast<double>(v);
+  else static_cast<__half*>(p)[i] = __float2half(static_cast<float>(v));
 }
 
 // Pass 1: partial[s, n] = sum of dY[m, n] over the s-th slice of rows.
-template <typename T>
+template <typename T, typename A>
 __global__ void bias_partial(const T* __restrict__ dy, int64_t M, int64_t N, int64_t rows_per,
-                             float* __restrict__ partial) {
+                             A* __restrict__ partial) {
   const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t s = blockIdx.y;
   if (n >= N) return;
   const int64_t m0 = s * rows_per, m1 = min(M, m0 + rows_per);
-  float acc = 0.f;
-  for (int64_t m = m0; m < m1; ++m) acc += to_f32<T>(dy[m * N + n]);
+  A acc = 0;
+  for (int64_t m = m0; m < m1; ++m) {
+    if constexpr (sizeof(T) == 8) acc += dy[m * N + n];
+    else acc += to_f32<T>(dy[m * N + n]);
+  }
   partial[s * N + n] = acc;
 }
 
 // Pass 2: db[n] = beta * db[n] + sum_s partial[s, n], in a fixed order (deterministic).
-__global__ void bias_finish(const float* __restrict__ partial, int64_t splits, int64_t N, void* db,
+template <typename A>
+__global__ void bias_finish(const A* __restrict__ partial, int64_t splits, int64_t N, void* db,
                             int db_t, float beta) {
   const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (n >= N) return;
-  float acc = 0.f;
+  A acc = 0;
   for (int64_t s = 0; s < splits; ++s) acc += partial[s * N + n];
-  const float old = beta == 0.f ? 0.f : beta * load_any(db, db_t, n);
-  store_any(db, db_t, n, old + acc);
+  const A old = beta == 0.f ? A(0) : static_cast<A>(beta * load_any(db, db_t, n));
+  store_any<A>(db, db_t, n, old + acc);
 }
 
 std::string bias(const WgradArgs& p, cudaStream_t stream, int device) {
@@ -237,32 +255,43 @@ std::string bias(const WgradArgs& p, cudaStream_t stream, int device) {
   // partial sums must fit the workspace (reused after the GEMM: same stream).
   int64_t splits = std::max<int64_t>(1, (4 * static_cast<int64_t>(sms)) / std::max<int64_t>(1, col_blocks));
   splits = std::min(splits, std::max<int64_t>(1, M / kBiasMinRows));
-  splits = std::min<int64_t>(splits, static_cast<int64_t>(ws.bytes / (4 * std::max<int64_t>(1, N))));
+  const bool f64 = p.in_dtype == DType::kF64;
+  const int64_t acc_bytes = f64 ? 8 : 4;
+  splits = std::min<int64_t>(splits, static_cast<int64_t>(ws.bytes / (acc_bytes * std::max<int64_t>(1, N))));
   splits = std::min<int64_t>(splits, 65535);
   if (M == 0) splits = 0;
   if (splits == 0 && M > 0) return "bias gradient: N = " + std::to_string(N) + " too large for the workspace";
   float* partial = static_cast<float*>(ws.ptr);
+  double* partial64 = static_cast<double*>(ws.ptr);
   if (splits > 0) {
     const int64_t rows_per = (M + splits - 1) / splits;
     dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
     switch (p.in_dtype) {
       case DType::kF32:
-        bias_partial<float><<<grid, kBiasThreads, 0, stream>>>(static_cast<const float*>(p.dy), M, N,
+        bias_partial<float, float><<<grid, kBiasThreads, 0, stream>>>(static_cast<const float*>(p.dy), M, N,
                                                                rows_per, partial);
         break;
       case DType::kBF16:
-        bias_partial<__nv_bfloat16><<<grid, kBiasThreads, 0, stream>>>(
+        bias_partial<__nv_bfloat16, float><<<grid, kBiasThreads, 0, stream>>>(
             static_cast<const __nv_bfloat16*>(p.dy), M, N, rows_per, partial);
         break;
       case DType::kF16:
-        bias_partial<__half><<<grid, kBiasThreads, 0, stream>>>(static_cast<const __half*>(p.dy), M, N,
+        bias_partial<__half, float><<<grid, kBiasThreads, 0, stream>>>(static_cast<const __half*>(p.dy), M, N,
                                                                 rows_per, partial);
+        break;
+      case DType::kF64:
+        bias_partial<double, double><<<grid, kBiasThreads, 0, stream>>>(
+            static_cast<const double*>(p.dy), M, N, rows_per, partial64);
         break;
     }
     PMG_CUDA(cudaGetLastError());
   }
-  bias_finish<<<static_cast<unsigned>(col_blocks), kBiasThreads, 0, stream>>>(
-      partial, splits, N, p.db, static_cast<int>(p.db_dtype), p.db_beta);
+  if (f64)
+    bias_finish<double><<<static_cast<unsigned>(col_blocks), kBiasThreads, 0, stream>>>(
+        partial64, splits, N, p.db, static_cast<int>(p.db_dtype), p.db_beta);
+  else
+    bias_finish<float><<<static_cast<unsigned>(col_blocks), kBiasThreads, 0, stream>>>(
+        partial, splits, N, p.db, static_cast<int>(p.db_dtype), p.db_beta);
   PMG_CUDA(cudaGetLastError());
   return "";
 }
@@ -283,11 +312,6 @@ struct DeviceGuard {
 }  // namespace
 
 std::string wgrad_cuda(const WgradArgs& a, void* stream_ptr, int device) {
-  if (a.M < 0 || a.K < 0 || a.N < 0) return "negative dimension";
-  if (a.dw != nullptr && a.dw_dtype != DType::kF32 && a.dw_dtype != a.in_dtype)
-    return std::string("dW must be float32 or ") + dtype_name(a.in_dtype);
-  if (a.db != nullptr && a.db_dtype != DType::kF32 && a.db_dtype != a.in_dtype)
-    return std::string("db must be float32 or ") + dtype_name(a.in_dtype);
   DeviceGuard guard;
   PMG_TRY(guard.enter(device));
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);

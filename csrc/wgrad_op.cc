@@ -9,7 +9,8 @@
 // x [..., K], dout [..., N] with the same leading dims; a given dweight [K, N]
 // / dbias [N] is updated in place (beta = 1) and returned as the output (same
 // allocation); a missing one is allocated (beta = 0).  With multi_precision,
-// allocated accumulators are fp32.  When has_bias is false dbias_out is a
+// allocated accumulators are fp32 (fp64 for fp64 inputs, as Paddle's MPTypeTrait).
+// Zero-size inputs (M, K or N = 0) are fine.  When has_bias is false dbias_out is a
 // [1] placeholder (the Python wrapper returns None).
 //
 // The Python wrapper validates first and raises FusedLinearError with the
@@ -31,10 +32,21 @@ pmg::DType to_pmg(paddle::DataType t, const char* what) {
     case paddle::DataType::FLOAT32: return pmg::DType::kF32;
     case paddle::DataType::BFLOAT16: return pmg::DType::kBF16;
     case paddle::DataType::FLOAT16: return pmg::DType::kF16;
+    case paddle::DataType::FLOAT64: return pmg::DType::kF64;
     default: break;
   }
-  PD_CHECK(false, what, " must be float32, bfloat16 or float16");
+  PD_CHECK(false, what, " must be float32, bfloat16, float16 or float64");
   return pmg::DType::kF32;
+}
+
+paddle::DataType to_paddle(pmg::DType t) {
+  switch (t) {
+    case pmg::DType::kF32: return paddle::DataType::FLOAT32;
+    case pmg::DType::kBF16: return paddle::DataType::BFLOAT16;
+    case pmg::DType::kF16: return paddle::DataType::FLOAT16;
+    case pmg::DType::kF64: return paddle::DataType::FLOAT64;
+  }
+  return paddle::DataType::FLOAT32;
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -49,8 +61,10 @@ int64_t leading(const std::vector<int64_t>& s) {
   return m;
 }
 
+// Allocated accumulators: the multi-precision type of the input (Paddle's
+// MPTypeTrait: fp32, or fp64 for fp64) or the input dtype itself.
 paddle::DataType acc_dtype(paddle::DataType in, bool multi_precision) {
-  return multi_precision ? paddle::DataType::FLOAT32 : in;
+  return multi_precision ? to_paddle(pmg::mp_type(to_pmg(in, "x"))) : in;
 }
 
 std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Tensor& dout,
@@ -69,8 +83,6 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
 
   paddle::Tensor dw_out, db_out;
   pmg::WgradArgs a;
-  a.x = x.data();
-  a.dy = dout.data();
   a.in_dtype = in_t;
   a.M = M;
   a.K = K;
@@ -84,10 +96,8 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
     dw_out = paddle::empty({K, N}, acc_dtype(x.dtype(), multi_precision), x.place());
     a.dw_beta = 0.f;
   }
-  a.dw = dw_out.data();
+  a.dw = dw_out.numel() > 0 ? dw_out.data() : nullptr;  // zero-size: nothing to write
   a.dw_dtype = to_pmg(dw_out.dtype(), "dweight");
-  PD_CHECK(a.dw_dtype == pmg::DType::kF32 || a.dw_dtype == in_t,
-           "dweight must be float32 or the dtype of x");
   if (has_bias) {
     if (dbias) {
       db_out = *dbias;
@@ -98,17 +108,19 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
       db_out = paddle::empty({N}, acc_dtype(x.dtype(), multi_precision), x.place());
       a.db_beta = 0.f;
     }
-    a.db = db_out.data();
+    a.db = db_out.numel() > 0 ? db_out.data() : nullptr;
     a.db_dtype = to_pmg(db_out.dtype(), "dbias");
-    PD_CHECK(a.db_dtype == pmg::DType::kF32 || a.db_dtype == in_t,
-             "dbias must be float32 or the dtype of x");
   } else {
     // A one-element placeholder: Paddle 2.6 rejects zero-size custom-op outputs
     // as "not initialized".  The Python wrapper returns None instead.
     db_out = paddle::empty({1}, acc_dtype(x.dtype(), multi_precision), x.place());
   }
 
-  std::string err;
+  // A zero-element tensor has no buffer: pass null, the core reads only what it needs.
+  a.x = x.numel() > 0 ? x.data() : nullptr;
+  a.dy = dout.numel() > 0 ? dout.data() : nullptr;
+  std::string err = pmg::check_args(a);  // the accumulator-dtype rule lives in the core
+  PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
   if (x.is_cpu()) {
     err = pmg::wgrad_cpu(a);
 #ifdef PMG_WITH_CUDA
@@ -140,9 +152,13 @@ std::vector<paddle::DataType> FusedWgradInferDtype(
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }
 
-// A tiny op that reports the GEMM backend compiled in (1 = oneDNN, 0 = portable).
+// A tiny op that reports what runs, as int32[4]:
+//   [0] CPU GEMM compiled in (1 = oneDNN, 0 = portable), [1] CUDA compiled in,
+//   [2] the CPU has native bf16 (avx512_bf16 / AMX, run-time cpuid),
+//   [3] bf16 inputs would run now as 1 = oneDNN bf16 GEMM, 0 = widen + fp32 GEMM,
+//       -1 = PADDLE_MGRAD_CPU_BF16 is invalid.
 std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
-  auto out = paddle::empty({2}, paddle::DataType::INT32, paddle::CPUPlace());
+  auto out = paddle::empty({4}, paddle::DataType::INT32, paddle::CPUPlace());
   int* p = out.data<int>();
   p[0] = std::string(pmg::cpu_gemm_backend()) == "onednn" ? 1 : 0;
 #ifdef PMG_WITH_CUDA
@@ -150,11 +166,14 @@ std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
 #else
   p[1] = 0;
 #endif
+  p[2] = pmg::cpu_has_native_bf16() ? 1 : 0;
+  const std::string path = pmg::cpu_bf16_path();
+  p[3] = path == "onednn-bf16" ? 1 : (path == "widen-sgemm" ? 0 : -1);
   return {out};
 }
 
 std::vector<std::vector<int64_t>> BackendInfoInferShape(const std::vector<int64_t>&) {
-  return {{2}};
+  return {{4}};
 }
 
 std::vector<paddle::DataType> BackendInfoInferDtype(const paddle::DataType&) {

@@ -77,7 +77,7 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
             dw, db = ops.fused_linear_param_grad_add(
                 x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias)
     if want_b and db is None:
-        db = dy.reshape([-1, dy.shape[-1]]).astype("float32").sum(axis=0)
+        db = dy.reshape([-1, dy.shape[-1]]).astype(ops.mp_dtype(dy.dtype)).sum(axis=0)
         if b_acc is not None:
             b_acc.add_(db.astype(b_acc.dtype))
             db = b_acc

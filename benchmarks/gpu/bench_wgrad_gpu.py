@@ -6,9 +6,10 @@
 
 1. Builds ``csrc/wgrad_cuda.cu`` + ``wgrad_cpu.cc`` + ``wgrad_capi.cc`` into a shared
    library with nvcc (sm_80, sm_90 and PTX) and loads it with ctypes.
-2. Checks it against a float64 reference on fresh random data: bf16, fp16 and
-   fp32 inputs; shapes including odd ones (4095 x 1023); three in-place
-   accumulations (beta = 1) into fp32 and, for a fresh buffer (beta = 0), an
+2. Checks it against a float64 reference on fresh random data: bf16, fp16,
+   fp32 and fp64 inputs (fp64 accumulates in fp64, as Paddle's kernel:
+   MPTypeTrait<double> is double); shapes including odd ones (4095 x 1023);
+   three in-place accumulations (beta = 1) into fp32 (fp64) and, for a fresh buffer (beta = 0), an
    output poisoned with NaN beforehand; with and without bias.
 3. Times it with CUDA events (warm-up, median of many) against (a) a plain
    bf16 GEMM of the same shape (``torch.matmul``) and (b) the unfused path
@@ -32,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.normpath(os.path.join(HERE, "..", "..", "csrc"))
-DTYPE_CODE = {"float32": 0, "bfloat16": 1, "float16": 2}
+DTYPE_CODE = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
 # (tokens, K, N): llama-7B/13B-like projections
 BENCH_SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008), (16384, 4096, 14336),
                 (16384, 14336, 4096)]
@@ -77,9 +78,12 @@ def error_bound(abs_x_t_abs_dy, start_abs, k, out_dtype, in_dtype):
     double: with a handful of terms the rounding alone reaches 0.9 of half an ulp
     (seen in --simulate-cpu).  fp32 inputs use fp32 FMA (compute type 32F, no TF32).
     """
-    u = 2.0 ** -24
-    acc = max(2 * k * u, 1e-6) * (abs_x_t_abs_dy + start_abs)
-    rnd = {"float32": 0.0, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[out_dtype]
+    if in_dtype == "float64":  # fp64 in, fp64 compute and out (Paddle's MPTypeTrait<double>)
+        u, floor = 2.0 ** -53, 1e-15
+    else:
+        u, floor = 2.0 ** -24, 1e-6
+    acc = max(2 * k * u, floor) * (abs_x_t_abs_dy + start_abs)
+    rnd = {"float32": 0.0, "float64": 0.0, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[out_dtype]
     return acc + rnd * (abs_x_t_abs_dy + start_abs) + 1e-30
 
 
@@ -295,7 +299,8 @@ def gpu_main(args):
         core = Core(build(args.build_dir or os.path.join(args.out, "build")), cuda=True)
         stream, sync = torch.cuda.current_stream().cuda_stream, torch.cuda.synchronize
         Event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
     gen = torch.Generator(device=dev).manual_seed(1234)
 
     def run(x, dy, dw, db, dw_beta, db_beta, in_dtype):
@@ -312,15 +317,17 @@ def gpu_main(args):
 
     # ---- correctness
     for (M, K, N) in (CHECK_SHAPES[: (3 if args.quick else None)] if not sim else CHECK_SHAPES[1::2]):
-        for in_dtype in ("bfloat16", "float16", "float32"):
+        for in_dtype in ("bfloat16", "float16", "float32", "float64"):
+            # accumulator: fp32 master gradient, fp64 for fp64 inputs (MPTypeTrait<double>)
+            out = "float64" if in_dtype == "float64" else "float32"
             for with_bias in (True, False):
-                x = torch.randn(M, K, device=dev, generator=gen).to(tdt[in_dtype])
-                dy = torch.randn(M, N, device=dev, generator=gen).to(tdt[in_dtype])
+                x = torch.randn(M, K, device=dev, generator=gen, dtype=torch.float64).to(tdt[in_dtype])
+                dy = torch.randn(M, N, device=dev, generator=gen, dtype=torch.float64).to(tdt[in_dtype])
                 x64, dy64 = x.double(), dy.double()
                 prod, absprod = x64.T @ dy64, x64.abs().T @ dy64.abs()
-                # fresh fp32 buffer (beta = 0) poisoned with NaN
-                dw = torch.full((K, N), float("nan"), device=dev)
-                db = torch.full((N,), float("nan"), device=dev) if with_bias else None
+                # fresh accumulator (beta = 0) poisoned with NaN
+                dw = torch.full((K, N), float("nan"), device=dev, dtype=tdt[out])
+                db = torch.full((N,), float("nan"), device=dev, dtype=tdt[out]) if with_bias else None
                 run(x, dy, dw, db, 0.0, 0.0, in_dtype)
                 # then accumulate three times in place (beta = 1)
                 start = dw.double().clone()
@@ -331,19 +338,19 @@ def gpu_main(args):
                 assert dw.data_ptr() == ptr
                 want = (start + 3 * prod).cpu().numpy()
                 bound = error_bound(3 * absprod.cpu().numpy(), np.abs(start.cpu().numpy()), M,
-                                    "float32", in_dtype) + error_bound(
-                    absprod.cpu().numpy(), 0, M, "float32", in_dtype)
+                                    out, in_dtype) + error_bound(
+                    absprod.cpu().numpy(), 0, M, out, in_dtype)
                 ok, ratio, rel = check_result(dw.double().cpu().numpy(), want, bound)
-                entry = {"shape": [M, K, N], "in": in_dtype, "out": "float32", "bias": with_bias,
+                entry = {"shape": [M, K, N], "in": in_dtype, "out": out, "bias": with_bias,
                          "ok": ok, "err/bound": ratio, "rel_err": rel}
                 if with_bias:
                     wb = (4 * dy64.sum(0)).cpu().numpy()
-                    bb = error_bound(4 * dy64.abs().sum(0).cpu().numpy(), 0, M, "float32", in_dtype)
+                    bb = error_bound(4 * dy64.abs().sum(0).cpu().numpy(), 0, M, out, in_dtype)
                     okb, rb, relb = check_result(db.double().cpu().numpy(), wb, bb)
                     entry.update(ok=ok and okb, bias_err_bound=rb, bias_rel_err=relb)
                 report["checks"].append(entry)
                 # same-precision output (multi_precision=False): bf16/fp16 C
-                if in_dtype != "float32":
+                if in_dtype not in ("float32", "float64"):
                     dwl = torch.full((K, N), float("nan"), device=dev).to(tdt[in_dtype])
                     run(x, dy, dwl, None, 0.0, 0.0, in_dtype)
                     sync()

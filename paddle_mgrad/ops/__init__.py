@@ -6,8 +6,13 @@ with beta = 1, or a portable OpenMP kernel; CUDA: cuBLASLt when Paddle is
 built with CUDA).  If the op cannot be built, a pure-Paddle fallback with the
 same results is used and one warning says why.  :func:`backend` tells which.
 
+Inputs: float32, bfloat16, float16, float64 (float64 accumulates in float64:
+Paddle's MPTypeTrait<double> is double); any of M, K, N may be 0.
+
 Environment: ``PADDLE_MGRAD_OPS=python`` forces the fallback;
-``PADDLE_MGRAD_CACHE`` moves the JIT build cache.
+``PADDLE_MGRAD_CACHE`` moves the JIT build cache; ``PADDLE_MGRAD_CPU_BF16=native|widen``
+forces how bf16 inputs run on the CPU (default ``auto``: oneDNN's bf16 GEMM on CPUs
+with native bf16, else widen to fp32 in row chunks + fp32 GEMM; see :func:`cpu_info`).
 """
 from __future__ import annotations
 
@@ -19,9 +24,9 @@ from .._compat import paddle
 from ..errors import FusedLinearError
 from . import _reference
 
-__all__ = ["fused_linear_param_grad_add", "backend", "load"]
+__all__ = ["fused_linear_param_grad_add", "backend", "cpu_info", "load"]
 
-_SUPPORTED = ("float32", "bfloat16", "float16")
+_SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 _lock = threading.Lock()
 _state = {"module": None, "backend": None, "why": None}
 
@@ -62,9 +67,55 @@ def backend() -> str:
     return _state["backend"]
 
 
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
+              "amx_tile")
+
+
+def cpu_info() -> dict:
+    """What the CPU path does with bf16 inputs, decided at run time by the C++ op.
+
+    ``{"isa": "avx2 fma f16c", "native_bf16": False, "bf16_path": "widen-sgemm"}``:
+    ``isa`` lists the relevant flags of ``/proc/cpuinfo``; ``native_bf16`` is the op's
+    cpuid check (avx512_bf16 or AMX-BF16 usable); ``bf16_path`` is how a bf16 call runs
+    now: ``"onednn-bf16"`` (oneDNN's bf16 GEMM), ``"widen-sgemm"`` (widen in row chunks
+    + fp32 GEMM), or ``"python"`` (fallback).  ``PADDLE_MGRAD_CPU_BF16=native|widen``
+    forces a path (read on every call).
+    """
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    isa = " ".join(f for f in _ISA_FLAGS if f in flags) or "unknown"
+    module = load()
+    if module is None:
+        return {"isa": isa, "native_bf16": None, "bf16_path": "python"}
+    info = module.pmg_backend_info(paddle.zeros([1])).numpy()
+    path = {1: "onednn-bf16", 0: "widen-sgemm"}.get(int(info[3]), "invalid PADDLE_MGRAD_CPU_BF16")
+    return {"isa": isa, "native_bf16": bool(info[2]), "bf16_path": path}
+
+
 def fallback_reason():
     load()
     return _state["why"]
+
+
+def mp_dtype(dtype) -> str:
+    """Paddle's MPTypeTrait: the multi-precision accumulator of an input dtype
+    (float64 for float64, float32 for everything else we support)."""
+    return "float64" if _dtype_name(dtype) == "float64" else "float32"
+
+
+def acc_dtypes(dtype, multi_precision) -> set:
+    """THE accumulator rule (the C++ core's ``pmg::acc_dtype_ok`` is the other half):
+    with multi_precision the accumulator is ``mp_dtype(dtype)``; without it, that or
+    the input dtype itself."""
+    mp = mp_dtype(dtype)
+    return {mp} if multi_precision else {mp, _dtype_name(dtype)}
 
 
 def _check(x, dout, dweight, dbias, multi_precision, has_bias):
@@ -87,7 +138,7 @@ def _check(x, dout, dweight, dbias, multi_precision, has_bias):
     if x.dtype != dout.dtype:
         bad("x and dout must have the same dtype")
     K, N = x.shape[-1], dout.shape[-1]
-    acc_ok = {"float32"} if multi_precision else {"float32", _dtype_name(x.dtype)}
+    acc_ok = acc_dtypes(x.dtype, multi_precision)
     if dweight is not None:
         if list(dweight.shape) != [K, N]:
             bad(f"dweight must be [K, N] = [{K}, {N}]")
@@ -125,7 +176,9 @@ def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precisi
         raise FusedLinearError("fused_linear_param_grad_add: dweight must be contiguous "
                                "(it is updated in place)")
     module = load()
-    if module is None:
+    # K = 0 or N = 0: a zero-size [K, N] result, which Paddle 2.6's custom-op runtime rejects
+    # as "not initialized"; the reference handles it without a GEMM.
+    if module is None or 0 in (x.shape[-1], dout.shape[-1]):
         return _reference.fused_linear_param_grad_add(x, dout, dweight, dbias if has_bias else None,
                                                       multi_precision, has_bias)
     x, dout = _contiguous(x), _contiguous(dout)
