@@ -22,6 +22,7 @@ key directory so later processes do not retry it (delete the directory to retry)
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import logging
 import os
@@ -232,6 +233,15 @@ def _load_keyed(cuda):
             raise
         open(os.path.join(directory, ".complete"), "w").close()
     return module
+
+
+def library_path(module) -> str:
+    """The shared library behind a loaded op module (its C entry points can be used via ctypes)."""
+    d = os.path.dirname(module.__file__)
+    libs = sorted(glob.glob(os.path.join(d, "*.so")))
+    if not libs:
+        raise FileNotFoundError(f"no shared library next to {module.__file__}")
+    return libs[0]
 
 
 def load_op_module():
