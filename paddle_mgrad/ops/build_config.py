@@ -228,7 +228,7 @@ def _find_header_lib(comp, header, lib_glob, home, major, roots):
 
 
 def find_cuda(search_paths=None, environ=None, which=shutil.which, need_thrust=False,
-              run=subprocess.run) -> CudaToolkit:
+              run=subprocess.run, default_home="/usr/local/cuda") -> CudaToolkit:
     """Find one consistent CUDA release for building the CUDA part (see the module docstring).
 
     ``need_thrust``: the host compiler needs ``thrust/complex.h`` (Paddle 2.6's
@@ -258,7 +258,7 @@ def find_cuda(search_paths=None, environ=None, which=shutil.which, need_thrust=F
         if found:
             cands += [os.path.dirname(os.path.dirname(found)),
                       os.path.dirname(os.path.dirname(os.path.realpath(found)))]
-        cands.append("/usr/local/cuda")
+        cands.append(default_home)
         cands += roots  # a wheel that ships nvcc (nvidia/*/bin/nvcc), if any ever does
         tk.home = next((c for c in dict.fromkeys(cands) if is_toolkit(c)), None)
         if tk.home is None:
