@@ -3,6 +3,7 @@ wheels, the tiered CUDA build (CPU op survives with one warning), and the per-pl
 our op / Paddle's fused op / the fallback with a fake GPU placement."""
 import os
 import stat
+import types
 import warnings
 
 import numpy as np
@@ -177,7 +178,12 @@ def test_incomplete_toolkit_keeps_the_cpu_op_and_warns_once(monkeypatch, fresh_o
     if fresh_ops["module"] is None:
         pytest.skip("the C++ op is not built here (PADDLE_MGRAD_OPS=python)")
     problem = 'CUDA 13.0 at /x: missing cublasLt (...): pip install "nvidia-cublas>=13,<14"'
-    monkeypatch.setattr(_build, "load_op_module", lambda: (fresh_ops["module"], problem))
+    real = fresh_ops["module"]
+    info = real.pmg_backend_info(paddle.zeros([1])).numpy()
+    cpu_only = types.SimpleNamespace(  # the real CPU op, reporting no CUDA part (as when missing)
+        pmg_fused_wgrad_add=real.pmg_fused_wgrad_add,
+        pmg_backend_info=lambda t: paddle.to_tensor(np.array([info[0], 0], "int32")))
+    monkeypatch.setattr(_build, "load_op_module", lambda: (cpu_only, problem))
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(ops, "_paddle_has_gpu_fused_op", lambda: True)
     with warnings.catch_warnings(record=True) as w:
