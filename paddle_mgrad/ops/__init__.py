@@ -145,7 +145,8 @@ def cuda_fallback_reason():
 def describe() -> str:
     """One log line: what runs where (for trainer/env activation logs)."""
     load()
-    line = f"paddle_mgrad fused weight-gradient op [{_state['backend']}]: CPU: {_GEMM_NAMES[_state['cpu']]}"
+    line = (f"paddle_mgrad fused weight-gradient op [{_state['backend']}]: "
+            f"CPU: {_GEMM_NAMES[_state['cpu']]}")
     if _state["why"]:
         line += f" ({_state['why'][:200]})"
     if _state["gpu"] is not None:
