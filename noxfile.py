@@ -2,6 +2,10 @@
 
     pip install nox && nox -s tests      # the test suite on Paddle 3.3.1 and 2.6.2
     pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
+    nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
+    nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
+
+pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 """
 import os
 
@@ -47,32 +51,60 @@ def nlp(session, paddle):
                 env=ENV)
 
 
-CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"  # headers only; matches the CUDA 13 nvcc here
+# cuBLAS(Lt) for the CUDA build.  The machine's toolkit (/usr/local/cuda: CUDA 13.0 nvcc and
+# cudart, no cuBLAS) is the only nvcc there is: NVIDIA's nvidia-cuda-nvcc-cu12 wheel ships ptxas,
+# libdevice and crt headers but no nvcc binary, so a CUDA 12 build cannot be made from wheels.
+# build_config.find_cuda therefore takes cuBLASLt from a wheel of the SAME major as nvcc (CUDA
+# 13's wheels are unsuffixed: nvidia-cublas 13.x -> nvidia/cu13/{include,lib}).
+CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"
+GPU_PADDLE = ["paddlepaddle-gpu==2.6.2", "numpy<2", "protobuf<5"]
 
 
 @nox.session
 def cuda_compile(session):
     """nvcc-compile the CUDA core (sm_80, sm_90, PTX), link and load it (its CUDA entry point
-    must fail cleanly without a GPU), and syntax-check the Paddle binding's CUDA branch.
-    cuBLAS headers and libcublasLt come from NVIDIA's wheel."""
-    import glob
-    import zipfile
-
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "cuda-headers")
-    inc = os.path.join(root, "nvidia", "cu13", "include")
-    lib = os.path.join(root, "nvidia", "cu13", "lib")
-    if not glob.glob(os.path.join(lib, "libcublasLt.so*")):
-        session.run("python", "-m", "pip", "download", "-q", "--no-deps", "-d", root, CUBLAS_WHEEL)
-        with zipfile.ZipFile(glob.glob(os.path.join(root, "nvidia_cublas-*.whl"))[0]) as z:
-            z.extractall(root, [n for n in z.namelist()
-                                if "/include/" in n or n.endswith("libcublasLt.so.13")])
-    session.install(*PADDLE_PINS["2.6.2"])
+    must fail cleanly without a GPU), and syntax-check the Paddle binding's CUDA branch, all with
+    the flags and toolkit discovery of paddle_mgrad/ops/build_config.py (what ships)."""
+    session.install(*PADDLE_PINS["2.6.2"], CUBLAS_WHEEL)
     paddle_inc = session.run(
         "python", "-c", "import zlib, os, paddle; print(os.path.join(os.path.dirname(paddle.__file__), 'include'))",
         silent=True).strip().splitlines()[-1]
-    session.run("python", "benchmarks/gpu/bench_wgrad_gpu.py", "--compile-only", "--out",
-                os.path.join(root, "out"), "--paddle-include", paddle_inc,
-                env={"PMG_CUDA_INCLUDE": inc, "PMG_CUDA_LIB": lib})
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "cuda-compile")
+    session.run("python", "benchmarks/gpu/bench_wgrad_gpu.py", "--compile-only", "--out", out,
+                "--paddle-include", paddle_inc)
+
+
+@nox.session
+def gpu_wheel(session):
+    """The user's path on paddlepaddle-gpu 2.6.2 (no GPU needed): pip-install paddle_mgrad (not
+    editable); without cuBLASLt the first use builds the CPU C++ op and warns once (what is
+    missing, how to install it); with it, first use JIT-builds the op with CUDA (backend +cuda,
+    module loads cuBLASLt through its rpath, its CUDA path fails cleanly without a GPU); then the
+    CPU test suite on the GPU wheel."""
+    import shutil
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    session.install(*GPU_PADDLE, *TEST_DEPS)
+    session.install("--no-build-isolation", "--force-reinstall", "--no-deps", ".")
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "nvidia-cublas")
+    caches = {m: os.path.join(root, ".nox", f"gpu-wheel-cache-{m}") for m in ("no-cublas", "cuda")}
+    for cache in caches.values():  # first use must build: fresh JIT caches every run
+        shutil.rmtree(cache, ignore_errors=True)
+    check = os.path.join(root, ".ci", "gpu_wheel_check.py")
+    tmp = session.create_tmp()  # run outside the checkout: import the installed package
+    session.chdir(tmp)
+    session.run("python", check, "no-cublas", "--installed",
+                env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"]))
+    session.install(CUBLAS_WHEEL)
+    session.run("python", check, "cuda", "--installed",
+                env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
+    session.chdir(root)
+    # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
+    # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
+                "--deselect",
+                "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
+                *session.posargs, env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
 
 
 @nox.session

@@ -29,6 +29,9 @@ class BuildPy(build_py):
         dst = os.path.join(self.build_lib, "paddle_mgrad", "_csrc")
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(os.path.join(HERE, "csrc"), dst)
+        # A build/ tree left by an earlier ahead-of-time build must not leak its binaries into
+        # a plain (JIT) install: only this run decides whether _prebuilt ships.
+        shutil.rmtree(os.path.join(self.build_lib, "paddle_mgrad", "_prebuilt"), ignore_errors=True)
         if os.environ.get("PADDLE_MGRAD_BUILD_OPS", "0") not in ("", "0"):
             import zlib  # noqa: F401  (before paddle, for Paddle 2.6)
 

@@ -65,3 +65,19 @@ def test_ahead_of_time_build_needs_no_compile_at_runtime(tmp_path):
     assert "BACKEND cpp-" in probe.stdout, probe.stdout + probe.stderr
     assert "compiling the fused" not in probe.stdout + probe.stderr
     assert os.listdir(cache) == []  # nothing built into the user cache
+
+
+def test_plain_install_after_an_ahead_of_time_build_ships_no_binaries(tmp_path):
+    """pip builds in the source tree's build/: a _prebuilt left there by an AOT build must not
+    end up in a later plain (JIT) install (it silently skipped the first-use build)."""
+    stale = os.path.join(ROOT, "build", "lib", "paddle_mgrad", "_prebuilt", "stale")
+    os.makedirs(stale, exist_ok=True)
+    open(os.path.join(stale, ".complete"), "w").close()
+    target = tmp_path / "site"
+    env = {k: v for k, v in os.environ.items() if k != "PADDLE_MGRAD_BUILD_OPS"}
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+         "--target", str(target), ROOT], capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (target / "paddle_mgrad" / "_csrc").is_dir()
+    assert not (target / "paddle_mgrad" / "_prebuilt").exists()

@@ -63,3 +63,25 @@ def test_core_rejects_bad_dtype_code(tmp_path):
     rc = core.lib.pmg_wgrad_cpu_c(x.ctypes.data, x.ctypes.data, 7, 2, 2, 2, x.ctypes.data, 0, 1.0,
                                   None, 0, 1.0, err, 256)
     assert rc == 1 and b"dtype code" in err.value
+
+
+def test_script_shares_the_packages_build_config_and_needs_no_paddle():
+    """One build configuration: the script loads paddle_mgrad/ops/build_config.py by path, and
+    that works with Paddle unimportable (the H200 box has CUDA + torch, no Paddle)."""
+    import subprocess
+    import sys
+
+    from paddle_mgrad.ops import build_config
+
+    checkout = os.path.join(os.path.dirname(PATH), "..", "..", "paddle_mgrad", "ops", "build_config.py")
+    assert os.path.samefile(gpu.bc.__file__, checkout)
+    with open(checkout) as a, open(build_config.__file__) as b:  # the package (maybe installed)
+        assert a.read() == b.read()
+    assert gpu.NVCC_ARCH == build_config.NVCC_ARCH
+    code = (
+        "import sys, importlib.util; sys.modules['paddle'] = None\n"
+        f"spec = importlib.util.spec_from_file_location('g', {PATH!r})\n"
+        "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g)\n"
+        "tk = g.toolkit(); print('OK', g.bc.NVCC_FLAGS, tk.ok or tk.problem())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr

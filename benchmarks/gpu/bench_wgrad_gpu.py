@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
+import importlib.util
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,19 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.normpath(os.path.join(HERE, "..", "..", "csrc"))
+
+
+def _load_build_config():
+    """paddle_mgrad/ops/build_config.py by file path (it imports nothing from Paddle; the package's
+    __init__ does): the same flags, sources and toolkit discovery as the Paddle build."""
+    path = os.path.normpath(os.path.join(HERE, "..", "..", "paddle_mgrad", "ops", "build_config.py"))
+    spec = importlib.util.spec_from_file_location("pmg_build_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bc = _load_build_config()
 DTYPE_CODE = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
 # (tokens, K, N): llama-7B/13B-like projections
 BENCH_SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008), (16384, 4096, 14336),
@@ -98,49 +110,38 @@ def check_result(got, want, bound):
 
 
 # ----------------------------------------------------------------------- building
-def cuda_include_dirs():
+def toolkit(need_thrust=False):
+    """The CUDA toolkit (nvcc, headers, cuBLASLt) as build_config finds it for the Paddle build."""
+    return bc.find_cuda(need_thrust=need_thrust)
+
+
+def cuda_include_dirs(tk=None):
     """Directories holding cuda_runtime.h and cublasLt.h (toolkit or pip wheels)."""
-    dirs = []
-    for cand in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]:
-        if cand and os.path.isdir(os.path.join(cand, "include")):
-            dirs.append(os.path.join(cand, "include"))
-    for base in sys.path:
-        for inc in glob.glob(os.path.join(base, "nvidia", "*", "include")) + \
-                glob.glob(os.path.join(base, "nvidia", "*", "*", "include")):
-            if os.path.exists(os.path.join(inc, "cublasLt.h")):
-                dirs.append(inc)
-    extra = os.environ.get("PMG_CUDA_INCLUDE")
-    if extra:
-        dirs.insert(0, extra)
-    return list(dict.fromkeys(dirs))
+    tk = tk or toolkit()
+    return ([os.path.join(tk.home, "include")] if tk.home else []) + list(tk.include_dirs)
 
 
-def cublas_lib_dirs():
-    dirs = [os.environ["PMG_CUDA_LIB"]] if os.environ.get("PMG_CUDA_LIB") else []
-    for cand in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]:
-        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
-            d = os.path.join(cand, sub) if cand else ""
-            if d and glob.glob(os.path.join(d, "libcublasLt.so*")):
-                dirs.append(d)
-    for base in sys.path:
-        for d in glob.glob(os.path.join(base, "nvidia", "*", "lib")) + \
-                glob.glob(os.path.join(base, "nvidia", "*", "*", "lib")):
-            if glob.glob(os.path.join(d, "libcublasLt.so*")):
-                dirs.append(d)
-    return list(dict.fromkeys(dirs))
+def cublas_lib_dirs(tk=None):
+    tk = tk or toolkit()
+    return [os.path.dirname(tk.libs["cublasLt"])] if "cublasLt" in tk.libs else []
 
 
-NVCC_ARCH = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-             "-gencode=arch=compute_90,code=compute_90"]
+NVCC_ARCH = bc.NVCC_ARCH
+
+
+def _require(tk):
+    if not tk.ok:
+        raise RuntimeError(f"CUDA toolkit incomplete: {tk.problem()}")
+    return tk
 
 
 def check_paddle_binding(paddle_include, python_include):
     """Syntax-check the Paddle binding's GPU branch (PADDLE_WITH_CUDA + PMG_WITH_CUDA) against a
     Paddle wheel's headers; a CPU wheel suffices (Paddle 2.6's: 3.x's CUDA headers want ATen)."""
+    tk = _require(toolkit(need_thrust=True))  # Paddle 2.6's extension.h includes thrust
     incs = [paddle_include, os.path.join(paddle_include, "third_party"), python_include, CSRC]
-    for d in cuda_include_dirs():
-        incs += [d, os.path.join(d, "cccl")]
-    cmd = ["g++", "-fsyntax-only", "-std=c++17", "-DPADDLE_WITH_CUDA", "-DPMG_WITH_CUDA",
+    incs += cuda_include_dirs(tk)
+    cmd = ["g++", "-fsyntax-only", *bc.CXX_FLAGS[1:2], "-DPADDLE_WITH_CUDA", bc.CUDA_DEFINE,
            *[f"-I{d}" for d in incs if os.path.isdir(d)], os.path.join(CSRC, "wgrad_op.cc")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -152,11 +153,12 @@ def check_paddle_binding(paddle_include, python_include):
 def compile_only(build_dir):
     """Compile (no link) the CUDA core and the C API for sm_80/sm_90/PTX."""
     os.makedirs(build_dir, exist_ok=True)
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    incs = [f"-I{d}" for d in cuda_include_dirs()]
-    for src in ("wgrad_cuda.cu", "wgrad_capi.cc"):
-        cmd = [nvcc, "-c", "-x", "cu" if src.endswith(".cu") else "c++", "-O3", "-std=c++17",
-               "-Xcompiler", "-fPIC,-Wall", "-DPMG_WITH_CUDA", *NVCC_ARCH, f"-I{CSRC}", *incs,
+    tk = _require(toolkit())
+    print(f"toolkit: {tk.summary()}", flush=True)
+    incs = [f"-I{d}" for d in tk.include_dirs]
+    for src in bc.CUDA_SOURCES + bc.CAPI_SOURCES:
+        cmd = [tk.nvcc, "-c", "-x", "cu" if src.endswith(".cu") else "c++", *bc.NVCC_FLAGS,
+               "-Xcompiler", "-fPIC,-Wall", f"-I{CSRC}", *incs,
                os.path.join(CSRC, src), "-o", os.path.join(build_dir, src + ".o")]
         if not src.endswith(".cu"):
             cmd = [c for c in cmd if not c.startswith("-gencode")]
@@ -166,7 +168,7 @@ def compile_only(build_dir):
         if r.returncode != 0:
             raise RuntimeError(f"nvcc failed on {src}")
         print(f"compiled {src}", flush=True)
-    if cublas_lib_dirs():
+    if tk.libs.get("cublasLt"):
         # Link the whole library as the GPU run will, load it, and call it with empty
         # shapes (touches no memory): without a GPU it must fail cleanly, naming the call.
         core = Core(build(build_dir, cuda=True), cuda=True)
@@ -182,25 +184,17 @@ def compile_only(build_dir):
 def build(build_dir, cuda=True):
     os.makedirs(build_dir, exist_ok=True)
     out = os.path.join(build_dir, "libpmg_wgrad_cuda.so" if cuda else "libpmg_wgrad_cpu.so")
-    srcs = [os.path.join(CSRC, f) for f in ("wgrad_cpu.cc", "wgrad_capi.cc")]
+    srcs = [os.path.join(CSRC, f) for f in bc.CORE_SOURCES + bc.CAPI_SOURCES]
     if not cuda:
-        cmd = ["g++", "-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", f"-I{CSRC}", *srcs,
-               "-o", out]
+        cmd = ["g++", *bc.CXX_FLAGS, "-fPIC", "-shared", f"-I{CSRC}", *srcs, "-o", out]
     else:
-        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-        libdirs = cublas_lib_dirs()
-        lib = ["-lcublasLt"]
-        if libdirs and not glob.glob(os.path.join(libdirs[0], "libcublasLt.so")):
-            # pip wheels ship only libcublasLt.so.<major>: link it by file name (ld's -l:NAME;
-            # nvcc itself refuses a bare .so.<major> argument)
-            name = os.path.basename(sorted(glob.glob(os.path.join(libdirs[0], "libcublasLt.so.*")))[0])
-            lib = [f"-Xlinker=-l:{name}"]
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fopenmp",
-               "-DPMG_WITH_CUDA",
-               *NVCC_ARCH, f"-I{CSRC}",
-               *[f"-I{d}" for d in cuda_include_dirs()], *[f"-L{d}" for d in libdirs],
-               *[f"-Xlinker=-rpath,{d}" for d in libdirs],
-               os.path.join(CSRC, "wgrad_cuda.cu"), *srcs, *lib, "-lgomp", "-o", out]
+        tk = _require(toolkit())
+        # the CXX flags go to the host compiler (-fopenmp etc.); cudart is linked statically by
+        # nvcc; cuBLASLt by file name when only libcublasLt.so.<major> exists (wheels), + rpath
+        cmd = [tk.nvcc, *bc.NVCC_FLAGS, "-shared", "-Xcompiler", ",".join(["-fPIC"] + bc.CXX_FLAGS[2:]),
+               f"-I{CSRC}", *[f"-I{d}" for d in tk.include_dirs],
+               *[os.path.join(CSRC, f) for f in bc.CUDA_SOURCES], *srcs, *tk.nvcc_link_args(),
+               "-lgomp", "-o", out]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

@@ -9,10 +9,23 @@ same results is used and one warning says why.  :func:`backend` tells which.
 Inputs: float32, bfloat16, float16, float64 (float64 accumulates in float64:
 Paddle's MPTypeTrait<double> is double); any of M, K, N may be 0.
 
-Environment: ``PADDLE_MGRAD_OPS=python`` forces the fallback;
-``PADDLE_MGRAD_CACHE`` moves the JIT build cache; ``PADDLE_MGRAD_CPU_BF16=native|widen``
-forces how bf16 inputs run on the CPU (default ``auto``: oneDNN's bf16 GEMM on CPUs
-with native bf16, else widen to fp32 in row chunks + fp32 GEMM; see :func:`cpu_info`).
+Tiers, per place:
+
+* CPU tensors: our C++ op (``cpp-onednn`` / ``cpp-portable``), else the pure-Paddle fallback.
+* GPU tensors: our CUDA op (cuBLASLt) when it was built (``+cuda``); else Paddle's own
+  ``_C_ops.fused_linear_param_grad_add`` when the wheel has its GPU kernel (``paddle-fused``);
+  else the pure-Paddle fallback.  A missing CUDA toolkit part costs only the CUDA part: the CPU
+  op still loads, and one warning names what is missing and how to install it.
+
+:func:`backend` returns e.g. ``cpp-onednn+cuda``, ``cpp-onednn;gpu=paddle-fused`` (CUDA Paddle
+without our CUDA build) or ``cpp-onednn`` (CPU Paddle); :func:`backends` the same as a dict and
+:func:`describe` one log line.
+
+Environment: ``PADDLE_MGRAD_OPS=python`` forces the fallback; ``PADDLE_MGRAD_NO_CUDA=1`` skips our
+CUDA part; ``PADDLE_MGRAD_CACHE`` moves the JIT build cache; ``CUDA_HOME`` picks the toolkit;
+``PADDLE_MGRAD_CPU_BF16=native|widen`` forces how bf16 inputs run on the CPU (default ``auto``:
+oneDNN's bf16 GEMM on CPUs with native bf16, else widen to fp32 in row chunks + fp32 GEMM; see
+:func:`cpu_info`).
 """
 from __future__ import annotations
 
@@ -24,15 +37,42 @@ from .._compat import paddle
 from ..errors import FusedLinearError
 from . import _reference
 
-__all__ = ["fused_linear_param_grad_add", "backend", "cpu_info", "load"]
+__all__ = ["fused_linear_param_grad_add", "backend", "backends", "describe", "cpu_info", "load"]
 
 _SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 _lock = threading.Lock()
-_state = {"module": None, "backend": None, "why": None}
+_state = {"module": None, "backend": None, "why": None, "cpu": None, "gpu": None,
+          "cuda_why": None}
+_GEMM_NAMES = {"cpp-onednn": "C++ op, oneDNN GEMM", "cpp-portable": "C++ op, OpenMP GEMM",
+               "python": "pure-Paddle fallback", "cuda": "paddle_mgrad CUDA op (cuBLASLt)",
+               "paddle-fused": "Paddle's _C_ops.fused_linear_param_grad_add"}
 
 
 def _dtype_name(dt) -> str:
     return str(dt).replace("paddle.", "")
+
+
+def _paddle_has_gpu_fused_op() -> bool:
+    """This Paddle has ``_C_ops.fused_linear_param_grad_add`` with a GPU kernel (CUDA wheels;
+    CPU wheels have the Python binding but no kernel)."""
+    from paddle import _C_ops
+
+    if not hasattr(_C_ops, "fused_linear_param_grad_add"):
+        return False
+    try:
+        kernels = paddle.framework.core._get_all_register_op_kernels("phi")
+    except Exception:  # registry API moved: trust the binding on a CUDA build
+        return paddle.is_compiled_with_cuda()
+    return any("gpu" in str(k).lower() for k in kernels.get("fused_linear_param_grad_add", ()))
+
+
+def _compose(cpu, gpu):
+    """The backend string: the CPU tier, ``+cuda`` for our CUDA op, else ``;gpu=<tier>``."""
+    if gpu is None:
+        return cpu
+    if gpu == "cuda":
+        return f"{cpu}+cuda"
+    return f"{cpu};gpu={gpu}"
 
 
 def load():
@@ -42,27 +82,50 @@ def load():
     with _lock:
         if _state["backend"] is not None:
             return _state["module"]
+        cuda_paddle = paddle.is_compiled_with_cuda()
         if os.environ.get("PADDLE_MGRAD_OPS", "").lower() == "python":
-            _state.update(backend="python", why="PADDLE_MGRAD_OPS=python")
+            gpu = "python" if cuda_paddle else None
+            _state.update(cpu="python", gpu=gpu, backend=_compose("python", gpu),
+                          why="PADDLE_MGRAD_OPS=python")
             return None
+        module = None
         try:
             from . import _build
 
-            module = _build.load_op_module()
+            module, cuda_why = _build.load_op_module()
             info = getattr(module, "pmg_backend_info")(paddle.zeros([1])).numpy()
-            gemm = "onednn" if info[0] == 1 else "portable"
-            _state.update(module=module, backend=f"cpp-{gemm}" + ("+cuda" if info[1] else ""))
+            cpu = "cpp-onednn" if info[0] == 1 else "cpp-portable"
+            has_cuda = bool(info[1])
         except Exception as e:  # no compiler, failed build, missing headers...
-            _state.update(backend="python", why=f"{type(e).__name__}: {e}".strip()[:2000])
+            module, cpu, has_cuda, cuda_why = None, "python", False, None
+            _state["why"] = f"{type(e).__name__}: {e}".strip()[:2000]
             warnings.warn(
                 "paddle_mgrad: the C++ fused weight-gradient op could not be built, using the "
                 f"pure-Paddle fallback (same results, slower). Reason: {_state['why']}",
                 RuntimeWarning, stacklevel=3)
+        gpu = None
+        if has_cuda:
+            gpu = "cuda"
+        elif cuda_paddle:
+            gpu = "paddle-fused" if _paddle_has_gpu_fused_op() else "python"
+            if cuda_why and module is not None:  # one warning: what is missing, how to install
+                warnings.warn(
+                    f"paddle_mgrad: CUDA part of the fused weight-gradient op not built ({cuda_why}); "
+                    f"CPU tensors use the C++ op ({cpu}), GPU tensors use "
+                    f"{_GEMM_NAMES[gpu]}", RuntimeWarning, stacklevel=3)
+        _state.update(module=module, cpu=cpu, gpu=gpu, cuda_why=cuda_why,
+                      backend=_compose(cpu, gpu))
         return _state["module"]
 
 
 def backend() -> str:
-    """``'cpp-onednn'``, ``'cpp-portable'`` (``+cuda`` when built with CUDA) or ``'python'``."""
+    """Which implementation runs where, e.g. ``'cpp-onednn+cuda'``.
+
+    The CPU tier first: ``'cpp-onednn'``, ``'cpp-portable'`` or ``'python'``; then, on a CUDA
+    Paddle, ``'+cuda'`` when our CUDA op is built, else ``';gpu=paddle-fused'`` or
+    ``';gpu=python'``.  (``"+cuda" in backend()`` and ``backend().startswith("cpp-")`` keep
+    their meaning.)
+    """
     load()
     return _state["backend"]
 
@@ -99,7 +162,14 @@ def cpu_info() -> dict:
     return {"isa": isa, "native_bf16": bool(info[2]), "bf16_path": path}
 
 
+def backends() -> dict:
+    """``{"cpu": tier, "gpu": tier or None}``; GPU is None on a CPU-only Paddle."""
+    load()
+    return {"cpu": _state["cpu"], "gpu": _state["gpu"]}
+
+
 def fallback_reason():
+    """Why the CPU op is the pure-Paddle fallback (None when the C++ op loaded)."""
     load()
     return _state["why"]
 
@@ -116,6 +186,70 @@ def acc_dtypes(dtype, multi_precision) -> set:
     the input dtype itself."""
     mp = mp_dtype(dtype)
     return {mp} if multi_precision else {mp, _dtype_name(dtype)}
+
+
+def cuda_fallback_reason():
+    """Why our CUDA part is missing on a CUDA Paddle (None when built, or on CPU Paddle)."""
+    load()
+    return _state["cuda_why"]
+
+
+def describe() -> str:
+    """One log line: what runs where (for trainer/env activation logs)."""
+    load()
+    line = (f"paddle_mgrad fused weight-gradient op [{_state['backend']}]: "
+            f"CPU: {_GEMM_NAMES[_state['cpu']]}")
+    if _state["why"]:
+        line += f" ({_state['why'][:200]})"
+    if _state["gpu"] is not None:
+        line += f"; GPU: {_GEMM_NAMES[_state['gpu']]}"
+        if _state["cuda_why"] and _state["gpu"] != "cuda":
+            line += f" (our CUDA op not built: {_state['cuda_why'][:300]})"
+    return line
+
+
+def _is_gpu(t) -> bool:
+    try:
+        return bool(t.place.is_gpu_place())
+    except AttributeError:
+        return False
+
+
+def _tier_for(x, dweight, dbias, multi_precision, has_bias) -> str:
+    """``'cpp'`` (our module, CPU or CUDA), ``'paddle-fused'`` or ``'python'`` for this call."""
+    module = load()
+    if not _is_gpu(x):
+        return "cpp" if module is not None else "python"
+    gpu = _state["gpu"]
+    if gpu == "cuda":
+        return "cpp"
+    if gpu == "paddle-fused":
+        # Paddle's op wants MPType accumulators with multi_precision, else the input dtype
+        # (ours also accepts fp32 without multi_precision: that case goes to the fallback)
+        want = mp_dtype(x.dtype) if multi_precision else _dtype_name(x.dtype)
+        accs = [dweight] + ([dbias] if has_bias else [])
+        if all(a is None or _dtype_name(a.dtype) == want for a in accs):
+            return "paddle-fused"
+    return "python"
+
+
+def _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias):
+    """Paddle's own GPU op, same semantics; inputs flattened to 2-D, results written back into
+    the given accumulators if Paddle returned new tensors."""
+    from paddle import _C_ops
+
+    x2 = x.reshape([-1, x.shape[-1]]) if len(x.shape) != 2 else x
+    d2 = dout.reshape([-1, dout.shape[-1]]) if len(dout.shape) != 2 else dout
+    with paddle.no_grad():
+        dw, db = _C_ops.fused_linear_param_grad_add(
+            x2, d2, dweight, dbias if has_bias else None, bool(multi_precision), bool(has_bias))
+    for given, got in ((dweight, dw), (dbias if has_bias else None, db)):
+        if given is not None and got is not None and got.data_ptr() != given.data_ptr():
+            paddle.assign(got, output=given)
+    dw = dweight if dweight is not None else dw
+    if not has_bias:
+        return dw, None
+    return dw, (dbias if dbias is not None else db)
 
 
 def _check(x, dout, dweight, dbias, multi_precision, has_bias):
@@ -175,7 +309,10 @@ def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precisi
     if dweight is not None and hasattr(dweight, "is_contiguous") and not dweight.is_contiguous():
         raise FusedLinearError("fused_linear_param_grad_add: dweight must be contiguous "
                                "(it is updated in place)")
-    module = load()
+    tier = _tier_for(x, dweight, dbias, multi_precision, has_bias)
+    if tier == "paddle-fused":
+        return _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias)
+    module = _state["module"] if tier == "cpp" else None
     # K = 0 or N = 0: a zero-size [K, N] result, which Paddle 2.6's custom-op runtime rejects
     # as "not initialized"; the reference handles it without a GEMM.
     if module is None or 0 in (x.shape[-1], dout.shape[-1]):
