@@ -88,10 +88,19 @@ class Offload:
 
 
 def _output_specs(outputs):
+    """What the output check compares: ``(shape, dtype)`` per tensor output, else the type."""
     outputs = (outputs,) if is_tensor(outputs) else outputs
     if not isinstance(outputs, (tuple, list)):
         return None
     return [spec(o) if is_tensor(o) else type(o).__name__ for o in outputs]
+
+
+def _show(specs):
+    if specs is None:
+        return "a non-tensor"
+    return "[" + ", ".join(
+        f"Tensor(shape={list(s[0])}, dtype={s[1]})" if isinstance(s, tuple) else s
+        for s in specs) + "]"
 
 
 class _ReentrantRecompute(paddle.autograd.PyLayer):
@@ -136,8 +145,8 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
         if specs != ctx.output_specs:
             err = RecomputeError(
                 f"recompute({function_name(ctx.run_function)}) is not deterministic: the forward "
-                f"returned {ctx.output_specs}, recomputation returned {specs} "
-                "((shape, dtype) per output). Gradients would be wrong. Make the block depend "
+                f"returned {_show(ctx.output_specs)}, recomputation returned {_show(specs)}. "
+                "Gradients would be wrong. Make the block depend "
                 "only on its inputs (dropout: keep preserve_rng_state=True).")
             _errors.record(err)
             raise err

@@ -30,7 +30,6 @@ import paddle
 import paddle.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root
 
 STEPS, ACC, GB, SEQ, VOCAB = 3, 2, 4, 16, 64
 SEED = 2024
