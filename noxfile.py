@@ -2,6 +2,7 @@
 
     pip install nox && nox -s tests      # the test suite on Paddle 3.3.1 and 2.6.2
     pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
+    pip install nox && nox -s fleet      # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
 """
 import os
 
@@ -35,7 +36,7 @@ def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                *session.posargs, env=ENV)
+                "--ignore=tests/fleet", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -44,6 +45,17 @@ def nlp(session, paddle):
     """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
     _install(session, paddle, NLP_PINS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/nlp", *session.posargs,
+                env=ENV)
+
+
+@nox.session
+@nox.parametrize("paddle", list(PADDLE_PINS))
+def fleet(session, paddle):
+    """Fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP, TP2+mp_async_allreduce,
+    TP2+mp_fused_linear_param_grad_add, sharding stage1, PP2, PP2 with recompute_interval)
+    against a one-process run, PaddleNLP 2.8.1's tiny llama."""
+    _install(session, paddle, NLP_PINS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet", *session.posargs,
                 env=ENV)
 
 

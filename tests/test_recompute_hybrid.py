@@ -182,7 +182,7 @@ def test_tuple_outputs_as_fleet():
     ids = paddle.to_tensor([1, 2, 3])
 
     def f(a, m, i):
-        return lin(a) * m, m, i
+        return lin(a) * m, m, i * 2  # PyLayer marks every output differentiable
 
     x = _x()
     h, m, i = hybrid({"mp_group": Group()}, f, x, mask, ids)
