@@ -12,6 +12,7 @@ Needs PaddleNLP 2.8.1 (``nox -s fleet``).  Paddle's missing CPU pieces are stood
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -47,16 +48,20 @@ def _logs(out):
 
 
 def _run(cmd, out, what):
+    """Run ``cmd`` in its own process group; on timeout kill that group (the launcher's
+    rank processes too) and fail with the rank logs."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), cwd=ROOT, start_new_session=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT,
-                           timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what} timed out after {TIMEOUT}s{_logs(out)}\n--- launcher\n"
-                    f"{(e.stdout or b'')[-2000:]!r}")
-    if r.returncode != 0:
-        pytest.fail(f"{what} exited {r.returncode}{_logs(out)}\n--- launcher (last 3000)\n"
-                    f"{(r.stdout + r.stderr)[-3000:]}")
-    return r
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{what} timed out after {TIMEOUT}s{_logs(out)}\n--- launcher (last 3000)\n"
+                    f"{output[-3000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{what} exited {proc.returncode}{_logs(out)}\n--- launcher (last 3000)\n"
+                    f"{output[-3000:]}")
 
 
 @pytest.fixture(scope="module")

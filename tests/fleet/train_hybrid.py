@@ -257,7 +257,7 @@ def run_distributed(name, out, ref_dir):
         model = PipelineLayer(layers=descs, loss_fn=toy_loss, topology=hcg.topology(),
                               seg_method="uniform", recompute_interval=1,
                               recompute_ctx={"mp_group": hcg.get_model_parallel_group(),
-                                             "offload": False, "partition": False})
+                                             "offload": True, "partition": False})
         names = toy_names(model)
 
     for layer in model.sublayers(include_self=True):  # what Trainer does for --recompute
