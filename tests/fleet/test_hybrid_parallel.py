@@ -41,7 +41,7 @@ def _logs(out):
     text = ""
     log_dir = os.path.join(out, "log")
     if os.path.isdir(log_dir):
-        for name in sorted(os.listdir(log_dir)):
+        for name in sorted(n for n in os.listdir(log_dir) if n.startswith("workerlog")):
             with open(os.path.join(log_dir, name), errors="replace") as f:
                 text += f"\n--- {name} (last 4000 chars)\n" + f.read()[-4000:]
     return text
