@@ -137,6 +137,19 @@ def test_nondeterministic_recomputation_raises():
         y.sum().backward()
 
 
+def test_reentrant_recompute_checks_outputs_too():
+    """The output check lives in the reentrant core shared with paddle_mgrad.recompute."""
+    calls = []
+
+    def f(a):
+        calls.append(1)
+        return paddle.tanh(a if len(calls) == 1 else a.astype("float64"))
+
+    y = paddle_mgrad.recompute(f, _x(), use_reentrant=True)
+    with pytest.raises(RecomputeError, match="float64"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("offload,partition", [(True, False), (False, True), (True, True)])
 def test_offload_and_partition(monkeypatch, offload, partition):
     """partition=True keeps only this rank's slice of each saved input and all-gathers it in
