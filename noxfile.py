@@ -4,6 +4,7 @@
     pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
     nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
+    nox -s fleet                         # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 """
@@ -39,7 +40,7 @@ def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                *session.posargs, env=ENV)
+                "--ignore=tests/fleet", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -48,6 +49,17 @@ def nlp(session, paddle):
     """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
     _install(session, paddle, NLP_PINS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/nlp", *session.posargs,
+                env=ENV)
+
+
+@nox.session
+@nox.parametrize("paddle", list(PADDLE_PINS))
+def fleet(session, paddle):
+    """Fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP, TP2+mp_async_allreduce,
+    TP2+mp_fused_linear_param_grad_add, sharding stage1, PP2, PP2 with recompute_interval)
+    against a one-process run, PaddleNLP 2.8.1's tiny llama."""
+    _install(session, paddle, NLP_PINS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet", *session.posargs,
                 env=ENV)
 
 

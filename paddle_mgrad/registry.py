@@ -59,6 +59,13 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "attributes lost), rejects None in save_for_backward on 2.6, cannot preserve CPU RNG on "
         "2.6, and reentrant mode loses main_grad on parameter arguments (#70508)."),
     Replacement(
+        "recompute_hybrid", "recompute", "paddle.distributed.fleet.recompute.recompute_hybrid",
+        "recompute_hybrid", "code",
+        "paddle_mgrad.recomputation.hybrid:_paddle_recompute_hybrid_trampoline",
+        "fleet's hybrid-parallel recompute (PipelineLayer with recompute_interval > 0, mp models) "
+        "asserts on CPU, rebuilds parameter arguments as copies (main_grad lost) and does not "
+        "check recomputation; ours keeps offload/partition."),
+    Replacement(
         "linear", "fused_linear", "paddle.nn.functional.common", "linear",
         "code", "paddle_mgrad.linear:_paddle_linear_trampoline",
         "nn.Linear, llama projections and fleet's parallel linears call it: their weight/bias "
@@ -67,6 +74,13 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "incubate_fused_linear", "fused_linear", "paddle.incubate.nn.functional.fused_matmul_bias",
         "fused_linear", "code", "paddle_mgrad.linear:_paddle_incubate_fused_linear_trampoline",
         "PaddleNLP's fused layers call it (GPU-only in Paddle); same gradient path as linear.",
+        optional=True),
+    Replacement(
+        "InnerOverlapLinear", "fused_linear", "paddle.distributed.fleet.layers.mpu.mp_layers",
+        "InnerOverlapLinear", "attr", "paddle_mgrad.overlap_linear:replace",
+        "ColumnParallelLinear with mp_async_allreduce (and mp_fused_linear_param_grad_add) runs "
+        "this PyLayer, which computes dW/db itself (or needs Paddle's GPU-only op); ours "
+        "accumulates them in place into fp32 main_grad through our op, dx all-reduce kept async.",
         optional=True),
     Replacement(
         "varbase_help", "fused_linear", "paddle.distributed.fleet.recompute.recompute",

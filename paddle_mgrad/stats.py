@@ -13,10 +13,13 @@ __all__ = ["recompute", "linear", "fused_params", "reset", "snapshot"]
 
 _lock = threading.Lock()
 
-#: calls of paddle_mgrad.recompute by mode, and recomputations run in backward
-recompute = {"non_reentrant": 0, "reentrant": 0, "recomputations": 0}
-#: fused linear forwards/backwards, and gradients the op accumulated into main_grad
-linear = {"forward": 0, "backward": 0, "into_main_grad": 0}
+#: calls of paddle_mgrad.recompute by mode, of fleet's recompute_hybrid (ours), and
+#: recomputations run in backward
+recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0}
+#: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
+#: ours), and gradients the op accumulated into main_grad
+linear = {"forward": 0, "backward": 0, "overlap_forward": 0, "overlap_backward": 0,
+          "into_main_grad": 0}
 #: names of parameters whose gradient went through the fused op
 fused_params: set = set()
 

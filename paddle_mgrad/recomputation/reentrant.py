@@ -18,9 +18,11 @@ import inspect
 
 from .. import stats
 from .._compat import is_parameter, is_tensor, paddle, tracer
+from ..errors import RecomputeError
 from . import amp as _amp
+from . import backward_errors as _errors
 from . import rng as _rng
-from .tensors import any_needs_grad, detached_view
+from .tensors import any_needs_grad, detached_view, function_name, spec
 
 # Arguments are encoded into a layout plus a flat list of tensors: every tensor
 # (also inside tuples) is its own PyLayer input, so its gradient has its own
@@ -59,34 +61,74 @@ def _params_in(layout):
             yield from _params_in(value)
 
 
+class Offload:
+    """How the PyLayer keeps its tensor inputs for backward: as they are, except
+    positions ``indices`` moved to the CPU (``offload_indices``).  :mod:`.hybrid`
+    subclasses it (offload of every input, mp partitioning)."""
+
+    mark_frozen = False  # mark inputs with stop_gradient=True non-differentiable (fleet hybrid)
+
+    def __init__(self, indices=()):
+        self.indices = list(indices)
+
+    def pack(self, tensors):
+        for k in self.indices:
+            cpu = tensors[k].cpu()
+            cpu._share_buffer_to(tensors[k])
+        return list(tensors)
+
+    def unpack(self, saved):
+        if self.indices:
+            place = paddle.framework._current_expected_place()
+            for k in self.indices:
+                moved = saved[k].to(place)
+                moved.stop_gradient = saved[k].stop_gradient
+                saved[k] = moved
+        return saved
+
+
+def _output_specs(outputs):
+    """What the output check compares: ``(shape, dtype)`` per tensor output, else the type."""
+    outputs = (outputs,) if is_tensor(outputs) else outputs
+    if not isinstance(outputs, (tuple, list)):
+        return None
+    return [spec(o) if is_tensor(o) else type(o).__name__ for o in outputs]
+
+
+def _show(specs):
+    if specs is None:
+        return "a non-tensor"
+    return "[" + ", ".join(
+        f"Tensor(shape={list(s[0])}, dtype={s[1]})" if isinstance(s, tuple) else s
+        for s in specs) + "]"
+
+
 class _ReentrantRecompute(paddle.autograd.PyLayer):
     @staticmethod
-    def forward(ctx, run_function, preserve_rng_state, offload, layout, kwargs, n_tensors, *tensors):
+    def forward(ctx, run_function, preserve_rng_state, stash, layout, kwargs, n_tensors, *tensors):
         ctx.run_function = run_function
         ctx.kwargs = kwargs
         ctx.layout = layout
-        ctx.offload = offload
+        ctx.stash = stash
         ctx.rng = _rng.capture() if preserve_rng_state else None
         ctx.amp = _amp.capture()
         ctx.n_anchor = len(tensors) - n_tensors
         tensors = tensors[:n_tensors]
         with paddle.no_grad():
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
-        for k in offload:
-            cpu = tensors[k].cpu()
-            cpu._share_buffer_to(tensors[k])
-        ctx.save_for_backward(*tensors)
+        ctx.output_specs = _output_specs(outputs)
+        if stash.mark_frozen:
+            # As fleet's recompute_hybrid: an output that *is* a stop_gradient input
+            # (pipeline stages pass masks through) must not become differentiable.
+            frozen = [t for t in tensors if t.stop_gradient]
+            if frozen:
+                ctx.mark_non_differentiable(*frozen)
+        ctx.save_for_backward(*stash.pack(tensors))
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        saved = list(ctx.saved_tensor() or ())
-        if ctx.offload:
-            place = paddle.framework._current_expected_place()
-            for k in ctx.offload:
-                moved = saved[k].to(place)
-                moved.stop_gradient = saved[k].stop_gradient
-                saved[k] = moved
+        saved = ctx.stash.unpack(list(ctx.saved_tensor() or ()))
         detached = [detached_view(t) for t in saved]
         run_args = [_decode(e, detached) for e in ctx.layout]
 
@@ -99,6 +141,15 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
                 outputs = ctx.run_function(*run_args, **ctx.kwargs)
         finally:
             t._has_grad = has_grad
+        specs = _output_specs(outputs)
+        if specs != ctx.output_specs:
+            err = RecomputeError(
+                f"recompute({function_name(ctx.run_function)}) is not deterministic: the forward "
+                f"returned {_show(ctx.output_specs)}, recomputation returned {_show(specs)}. "
+                "Gradients would be wrong. Make the block depend "
+                "only on its inputs (dropout: keep preserve_rng_state=True).")
+            _errors.record(err)
+            raise err
         if is_tensor(outputs):
             outputs = (outputs,)
 
@@ -146,9 +197,8 @@ def _flatten_call(function, args, kwargs):
     return flat
 
 
-def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs):
-    """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
-    stats.bump(stats.recompute, "reentrant")
+def _prepare(function, args, kwargs, what):
+    """``(layout, tensors, call_kwargs, anchor)`` for the PyLayer (see module docstring)."""
     flat = _flatten_call(function, args, kwargs) if kwargs else list(args)
     call_kwargs = {}
     if flat is None:  # keyword-only / **kwargs: tensors there must not need grad
@@ -156,17 +206,12 @@ def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwa
         bad = [k for k, v in call_kwargs.items() if any_needs_grad(v)]
         if bad:
             raise ValueError(
-                f"recompute(use_reentrant=True): keyword-only argument(s) {bad} hold tensors "
+                f"{what}: keyword-only argument(s) {bad} hold tensors "
                 "that need gradients, which the reentrant PyLayer cannot route; pass them "
                 "positionally or use use_reentrant=False"
             )
     tensors: list = []
     layout = [_encode(a, tensors) for a in flat]
-    offload = []
-    for i in offload_indices:
-        if layout[i][0] != "tensor":
-            raise ValueError(f"offload_indices: argument {i} is not a (non-parameter) tensor")
-        offload.append(layout[i][1])
     anchor = []
     if any(not p.stop_gradient for p in _params_in(layout)) and not any(
             not t.stop_gradient for t in tensors):
@@ -174,7 +219,27 @@ def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwa
         a = paddle.zeros([1])
         a.stop_gradient = False
         anchor.append(a)
+    return layout, tensors, call_kwargs, anchor
+
+
+def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, anchor):
+    """Apply the PyLayer (shared with :mod:`.hybrid`)."""
+    _errors.install()  # RecomputeError from backward keeps its type
     return _ReentrantRecompute.apply(
-        function, preserve_rng_state, offload, layout, call_kwargs, len(tensors),
+        function, preserve_rng_state, stash, layout, call_kwargs, len(tensors),
         *tensors, *anchor,
     )
+
+
+def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs):
+    """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
+    stats.bump(stats.recompute, "reentrant")
+    layout, tensors, call_kwargs, anchor = _prepare(
+        function, args, kwargs, "recompute(use_reentrant=True)")
+    offload = []
+    for i in offload_indices:
+        if layout[i][0] != "tensor":
+            raise ValueError(f"offload_indices: argument {i} is not a (non-parameter) tensor")
+        offload.append(layout[i][1])
+    return run(function, preserve_rng_state, Offload(offload), layout, tensors, call_kwargs,
+               anchor)

@@ -1,0 +1,70 @@
+"""fleet's overlap column linear (``mp_async_allreduce``) with in-place fp32 ``main_grad``.
+
+``ColumnParallelLinear`` with ``tensor_parallel_config`` ``enable_mp_async_allreduce``
+runs ``paddle.distributed.fleet.layers.mpu.mp_layers.InnerOverlapLinear``, a
+``PyLayer`` whose backward starts the all-reduce of ``dx`` asynchronously and
+computes ``dW``/``db`` itself while it runs: with ``matmul`` (a separate
+gradient tensor that ``MixPrecisionLayer``'s hook then adds to ``main_grad``),
+or, with ``enable_mp_fused_linear_param_grad_add``, with Paddle's GPU-only
+``_C_ops.fused_linear_param_grad_add`` (``NotImplementedError`` elsewhere).
+
+With ``paddle_mgrad.enable(fused_linear=True)`` the module attribute is
+:class:`OverlapLinearWithGradAdd` (registry entry ``InnerOverlapLinear``;
+``ColumnParallelLinear.forward`` looks the name up at call time): same
+arguments, same forward, ``dx`` all-reduce kept asynchronous, and ``dW``/``db``
+accumulated in place into fp32 ``main_grad`` by our op whichever of the two
+flags is set (see :mod:`paddle_mgrad.linear` for the accumulator rules).  Like
+our linear it saves only ``x`` with ``save_for_backward`` and keeps the
+parameters on ``ctx``, so recompute hands back the real objects.  The forward's
+``c_identity`` is an identity (its backward, the all-reduce of ``dx``, is done
+here explicitly, as in Paddle), so it is not called.
+"""
+from __future__ import annotations
+
+from . import stats
+from ._compat import paddle
+from .linear import _weight_and_bias_grads
+from .registry import original
+
+__all__ = ["OverlapLinearWithGradAdd", "replace"]
+
+
+class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
+    """Drop-in for fleet's ``InnerOverlapLinear`` (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
+                mp_fused_linear_param_grad_add, model_parallel_group):
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
+        ctx.bias = bias
+        ctx.group = model_parallel_group
+        ctx.x_needs_grad = not x.stop_gradient
+        stats.bump(stats.linear, "overlap_forward")
+        if fuse_matmul_bias:
+            return paddle._legacy_C_ops.fused_gemm_epilogue(x, weight, bias)
+        return original("linear")(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensor()
+        weight, bias = ctx.weight, ctx.bias
+        stats.bump(stats.linear, "overlap_backward")
+        dx = task = None
+        if ctx.x_needs_grad:
+            w = weight if weight.dtype == dy.dtype else paddle.cast(weight, dy.dtype)
+            dx = paddle.matmul(dy, w, transpose_y=True)
+            # the column-parallel input gradient: summed over the group while dW runs
+            task = paddle.distributed.all_reduce(dx, group=ctx.group, sync_op=False)
+        with paddle.no_grad():
+            dw, db = _weight_and_bias_grads(x, dy, weight, bias, False)
+        if task is not None and hasattr(task, "wait"):
+            task.wait()
+        if bias is None:
+            return dx, dw
+        return dx, dw, db
+
+
+def replace(original_class):
+    """Registry factory for ``mp_layers.InnerOverlapLinear``."""
+    return OverlapLinearWithGradAdd

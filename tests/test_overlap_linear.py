@@ -1,0 +1,113 @@
+"""fleet's overlap column linear (mp_async_allreduce) with paddle_mgrad's fused linear on:
+dW/db accumulate in place into fp32 main_grad through our op; dx is all-reduced.
+Single process, the all-reduce recorded (2-rank runs: tests/fleet)."""
+import numpy as np
+import paddle
+import pytest
+from paddle.distributed.fleet.layers.mpu import mp_layers
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+import paddle_mgrad
+from paddle_mgrad import stats
+from paddle_mgrad.overlap_linear import OverlapLinearWithGradAdd
+from conftest import native_bug
+
+
+class _Task:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self):
+        self.waited = True
+
+
+class _PG:
+    def all_reduce(self, t, op, sync_op=False):  # Paddle's own class calls this
+        return _Task()
+
+
+class Group:
+    nranks, rank, id, process_group = 2, 0, 0, _PG()
+
+
+@pytest.fixture
+def reduced(monkeypatch):
+    calls = []
+
+    def all_reduce(t, op=None, group=None, sync_op=True):
+        task = _Task()
+        calls.append((t, group, sync_op, task))
+        return task
+
+    monkeypatch.setattr(paddle.distributed, "all_reduce", all_reduce)
+    return calls
+
+
+def _apply(cls, x, layer, fused_gradadd):
+    return cls.apply(x, layer.weight, layer.bias, False, True, True, fused_gradadd, Group)
+
+
+def test_registry_swaps_the_class_and_restores_it():
+    original = mp_layers.InnerOverlapLinear
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    assert mp_layers.InnerOverlapLinear is OverlapLinearWithGradAdd
+    paddle_mgrad.disable()
+    assert mp_layers.InnerOverlapLinear is original
+
+
+@pytest.mark.parametrize("fused_gradadd", [False, True])
+def test_main_grad_accumulated_in_place(reduced, fused_gradadd):
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    paddle.seed(1)
+    layer = paddle.nn.Linear(8, 6)
+    MixPrecisionLayer(layer, dtype="bfloat16")
+    rs = np.random.RandomState(0)
+    xs = [rs.standard_normal((2, 5, 8)).astype("float32") for _ in range(2)]
+    dys = [rs.standard_normal((2, 5, 6)).astype("float32") for _ in range(2)]
+    w64 = layer.weight.numpy().astype("f8")
+    stats.reset()
+    ptrs = []
+    for x_np, dy_np in zip(xs, dys):
+        x = paddle.to_tensor(x_np)
+        x.stop_gradient = False
+        y = _apply(mp_layers.InnerOverlapLinear, x, layer, fused_gradadd)
+        np.testing.assert_allclose(y.numpy(), x_np @ w64 + layer.bias.numpy(), rtol=1e-5,
+                                   atol=1e-5)
+        y.backward(paddle.to_tensor(dy_np))
+        np.testing.assert_allclose(x.grad.numpy(), dy_np @ w64.T, rtol=1e-5, atol=1e-5)
+        t, group, sync_op, task = reduced[-1]
+        assert group is Group and sync_op is False and task.waited  # async dx all-reduce
+        ptrs.append((layer.weight.main_grad.data_ptr(), layer.bias.main_grad.data_ptr()))
+    assert ptrs[0] == ptrs[1]  # second micro-step accumulated in place
+    assert layer.weight.grad is None and layer.bias.grad is None  # nothing reached the hook
+    x2 = np.concatenate([x.reshape(-1, 8) for x in xs]).astype("f8")
+    dy2 = np.concatenate([d.reshape(-1, 6) for d in dys]).astype("f8")
+    assert layer.weight.main_grad.dtype == paddle.float32
+    np.testing.assert_allclose(layer.weight.main_grad.numpy(), x2.T @ dy2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer.bias.main_grad.numpy(), dy2.sum(0), rtol=1e-5, atol=1e-5)
+    assert stats.linear["overlap_backward"] == 2
+    assert stats.linear["into_main_grad"] == 4
+    assert {layer.weight.name, layer.bias.name} <= stats.fused_params
+
+
+def test_without_main_grad_returns_the_gradient(reduced):
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    layer = paddle.nn.Linear(8, 6)
+    x_np = np.random.RandomState(2).standard_normal((3, 8)).astype("float32")
+    x = paddle.to_tensor(x_np)
+    x.stop_gradient = False
+    _apply(mp_layers.InnerOverlapLinear, x, layer, False).sum().backward()
+    np.testing.assert_allclose(layer.weight.grad.numpy(),
+                               x_np.T.astype("f8") @ np.ones((3, 6)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer.bias.grad.numpy(), np.full(6, 3.0), rtol=1e-6)
+
+
+@native_bug(True, "Paddle's own InnerOverlapLinear raises NotImplementedError for "
+            "mp_fused_linear_param_grad_add where its op is GPU-only")
+def test_native_fused_gradadd_on_cpu():
+    layer = paddle.nn.Linear(8, 6)
+    MixPrecisionLayer(layer, dtype="bfloat16")
+    x = paddle.randn([3, 8])
+    x.stop_gradient = False
+    _apply(mp_layers.InnerOverlapLinear, x, layer, True).sum().backward()
+    assert layer.weight.main_grad is not None
