@@ -395,7 +395,7 @@ def test_fused_linear_float64_matches_autograd(transpose_weight):
         x = paddle.to_tensor(xn, stop_gradient=False)
         w = paddle.to_tensor(wn, stop_gradient=False)
         b = paddle.to_tensor(bn, stop_gradient=False)
-        y = (FusedLinearWithGradAdd.apply(x, w, b, None, transpose_weight) if fused
+        y = (FusedLinearWithGradAdd.apply(x, w, b, transpose_weight) if fused
              else paddle.matmul(x, w, transpose_y=transpose_weight) + b)
         (y * y).sum().backward()
         got.append((x.grad, w.grad, b.grad))
