@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["recompute", "linear", "fused_params", "reset", "snapshot"]
+__all__ = ["recompute", "linear", "paddle_c_ops", "fused_params", "reset", "snapshot"]
 
 _lock = threading.Lock()
 
@@ -17,6 +17,9 @@ _lock = threading.Lock()
 recompute = {"non_reentrant": 0, "reentrant": 0, "recomputations": 0}
 #: fused linear forwards/backwards, and gradients the op accumulated into main_grad
 linear = {"forward": 0, "backward": 0, "into_main_grad": 0}
+#: calls of ``paddle._C_ops.fused_linear_param_grad_add`` while fused_linear is on: run by our
+#: op (CPU tensors) or handed to Paddle's own kernel (places where Paddle has one)
+paddle_c_ops = {"ours": 0, "paddle": 0}
 #: names of parameters whose gradient went through the fused op
 fused_params: set = set()
 
@@ -28,7 +31,7 @@ def bump(counters: dict, key: str, n: int = 1):
 
 def reset():
     with _lock:
-        for counters in (recompute, linear):
+        for counters in (recompute, linear, paddle_c_ops):
             for k in counters:
                 counters[k] = 0
         fused_params.clear()
@@ -37,4 +40,5 @@ def reset():
 def snapshot() -> dict:
     with _lock:
         return {"recompute": dict(recompute), "linear": dict(linear),
+                "paddle_c_ops": dict(paddle_c_ops),
                 "fused_params": set(fused_params)}
