@@ -115,6 +115,16 @@ def check_evidence(a):
     assert "_C_ops.fused_linear_param_grad_add" in a["installed"] and "recompute" in a["installed"]
 
 
+def report_diffs(label, on, off):
+    """Print the measured differences (visible with pytest -s; quoted in the README)."""
+    a = paddle.load(str(on / "model_state.pdparams"))
+    b = paddle.load(str(off / "model_state.pdparams"))
+    dl = float(np.max(np.abs(np.subtract(losses(on), losses(off)))))
+    dp = max(float(np.max(np.abs(a[k].numpy() - b[k].numpy()))) for k in a)
+    print(f"\nMEASURED {label} paddle {paddle.__version__}: losses {losses(on)} vs {losses(off)}; "
+          f"max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}")
+
+
 def compare_params(a_dir, b_dir):
     """Parameters after training.  atol 1e-5 = 1% of one AdamW step at lr 1e-3: Adam divides by
     sqrt(v), so for a near-zero gradient a rounding-level difference (fused GEMM vs matmul +
@@ -134,6 +144,7 @@ def test_unmodified_script_single_process(tmp_path):
     lines = [ln for ln in out.splitlines() if "paddle_mgrad:" in ln]
     assert len(lines) == 1 and "recompute, fused_linear on (op: cpp-" in lines[0], lines
     assert len(losses(on)) == MAX_STEPS
+    report_diffs("1 process", on, off)
     np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
     compare_params(on, off)
     check_evidence(audits(on, 1)[0])
@@ -146,6 +157,7 @@ def test_unmodified_script_two_ranks(tmp_path):
     assert rc == 0, out_plain[-8000:]
     for rank in (0, 1):  # each rank switched on and said so
         assert f"[rank {rank}] paddle_mgrad: recompute, fused_linear on (op: cpp-" in out, out[-8000:]
+    report_diffs("2 ranks", on, off)
     np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
     compare_params(on, off)
     for a in audits(on, 2):
