@@ -36,12 +36,29 @@ class _PaddleImportHook:
                     del loader.exec_module  # the instance attribute set below
                 except AttributeError:
                     pass
-            from paddle_mgrad.autoload import _activate_from_hook
-
-            _activate_from_hook()
+            _activate()
 
         loader.exec_module = exec_then_activate
         return spec
+
+
+#: set when Paddle was imported by paddle_mgrad's own ``__init__`` (``import paddle_mgrad``
+#: before ``import paddle``): the package cannot be used half-initialised, so its
+#: ``__init__`` activates at its end instead.
+pending = False
+
+
+def _activate():
+    import sys
+
+    mg = sys.modules.get("paddle_mgrad")
+    if mg is not None and getattr(getattr(mg, "__spec__", None), "_initializing", False):
+        global pending
+        pending = True
+        return
+    from paddle_mgrad.autoload import _activate_from_hook
+
+    _activate_from_hook()
 
 
 def _install():
@@ -51,9 +68,7 @@ def _install():
     import sys
 
     if "paddle" in sys.modules:  # not at interpreter start; activate right away
-        from paddle_mgrad.autoload import _activate_from_hook
-
-        _activate_from_hook()
+        _activate()
         return True
     if not any(isinstance(f, _PaddleImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _PaddleImportHook())

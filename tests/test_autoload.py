@@ -105,6 +105,18 @@ def test_all_enables_at_first_paddle_import(tmp_path):
     assert lines[0].endswith(") via PADDLE_MGRAD")
 
 
+def test_import_paddle_mgrad_before_paddle(tmp_path):
+    """paddle_mgrad's own __init__ imports paddle: activation waits until the package is whole."""
+    r = run_py("""
+        import paddle_mgrad
+        from paddle_mgrad import registry
+        print(paddle_mgrad.enabled(), registry.is_installed("_C_ops.fused_linear_param_grad_add"))
+    """, tmp_path, PADDLE_MGRAD="all")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "{'recompute': True, 'fused_linear': True} True" in r.stdout
+    assert len([ln for ln in r.stderr.splitlines() if "paddle_mgrad:" in ln]) == 1, r.stderr
+
+
 def test_one_feature_and_rank_prefix(tmp_path):
     r = run_py("""
         import paddle, paddle_mgrad
