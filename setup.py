@@ -21,11 +21,17 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+PTH = "paddle_mgrad_autoload.pth"
+
+
 class BuildPy(build_py):
-    """Copy ``csrc/`` into the package and, on request, prebuild the op."""
+    """Copy ``csrc/`` into the package, ``paddle_mgrad_autoload.pth`` next to it (so that the
+    wheel -- and so every ``pip install`` -- puts it into site-packages, where Python runs its
+    one ``import`` line at start: the ``PADDLE_MGRAD`` switch), and, on request, prebuild the op."""
 
     def run(self):
         super().run()
+        self.copy_file(os.path.join(HERE, PTH), os.path.join(self.build_lib, PTH))
         dst = os.path.join(self.build_lib, "paddle_mgrad", "_csrc")
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(os.path.join(HERE, "csrc"), dst)
@@ -52,6 +58,7 @@ setup(
     long_description=long_description,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["paddle_mgrad", "paddle_mgrad.*"]),
+    py_modules=["paddle_mgrad_autoload"],  # what the .pth imports: stdlib only, no paddle
     python_requires=">=3.8",
     install_requires=["numpy"],
     extras_require={

@@ -15,6 +15,22 @@ from .linear import FusedLinearWithGradAdd, fused_linear
 
 __version__ = "0.1.0"
 
+
+def _activate_if_pending():
+    """PADDLE_MGRAD set and ``import paddle_mgrad`` came before ``import paddle``: the
+    start-up hook saw Paddle imported from here and left activation to this point."""
+    import sys
+
+    hook = sys.modules.get("paddle_mgrad_autoload")
+    if hook is not None and getattr(hook, "pending", False):
+        hook.pending = False
+        from .autoload import _activate_from_hook
+
+        _activate_from_hook()
+
+
+_activate_if_pending()
+
 __all__ = [
     "__version__", "enable", "disable", "enabled", "recompute", "RecomputeError",
     "FusedLinearError", "FlagError", "fused_linear", "FusedLinearWithGradAdd", "stats",

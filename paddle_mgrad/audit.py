@@ -40,7 +40,9 @@ class MainGradAudit:
         ok = [n for n in trained if self.in_main_grad[n] == self.seen[n]]
         fused = sorted(set(trained) & stats.fused_params)
         linear_weights = [p.name for p in self.params if len(p.shape) == 2 and "embed" not in p.name]
+        counts = [self.seen[n] for n in trained]
         return {"trainable": len(self.params), "received_grad": len(trained),
+                "grads_per_param": [min(counts, default=0), max(counts, default=0)],
                 "in_fp32_main_grad": len(ok), "grad_not_none": sum(1 for n in trained if self.grad_leak[n]),
                 "fused_linear_params": len(fused), "fused_names": fused,
                 "missing": sorted(set(trained) - set(ok)), "linear_weights": len(linear_weights)}

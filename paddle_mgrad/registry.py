@@ -17,6 +17,8 @@ Two ways of replacing:
   alias refers to the same function object, so all of them run the trampoline.
   A trampoline runs in Paddle's module globals, so it imports its target itself.
 * ``attr``: the attribute is rebound (``setattr``) to ``factory(original)``.
+  With ``create=True`` an attribute this Paddle lacks is added as
+  ``factory(None)`` and removed again (``delattr``) by :func:`uninstall`.
 
 :func:`uninstall` puts back exactly the objects that were there (identity), and
 :func:`original` gives a callable copy of Paddle's own function whether or not
@@ -49,6 +51,10 @@ class Replacement:
     why: str
     optional: bool = False  # absent on some Paddle versions: skipped, not an error
     when: Callable[[], bool] = field(default=lambda: True, compare=False)
+    create: bool = False  # "attr" only: add the attribute when this Paddle lacks it
+
+
+_ABSENT = object()  # recorded for a created attribute: uninstall deletes it
 
 
 REPLACEMENTS: Tuple[Replacement, ...] = (
@@ -98,6 +104,13 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "attr", "paddle_mgrad.recomputation.backward_errors:wrap",
         "As Tensor.backward, for paddle.autograd.backward."),
     Replacement(
+        "_C_ops.fused_linear_param_grad_add", "fused_linear", "paddle._C_ops",
+        "fused_linear_param_grad_add", "attr", "paddle_mgrad.c_ops:wrap_fused_linear_param_grad_add",
+        "Paddle's op has no CPU kernel ('not registered'), so PaddleNLP's own llm/fused_layers.py "
+        "and fleet's mp_fused_linear_param_grad_add fail on CPU; CPU tensors run our op, other "
+        "places Paddle's kernel. Added where this Paddle has no such attribute.",
+        create=True),
+    Replacement(
         "PyLayerContext.save_for_backward", "support", "paddle.autograd.py_layer",
         "PyLayerContext.save_for_backward", "attr",
         "paddle_mgrad.recomputation.saved_hooks:wrap_save_for_backward",
@@ -128,16 +141,21 @@ def _resolve_name(spec: str):
     return obj
 
 
+def _owner(rep: Replacement):
+    owner = importlib.import_module(rep.module)
+    *path, last = rep.attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, last
+
+
 def resolve_target(rep: Replacement):
     """``(owner, attribute name, current object)`` or None when absent on this Paddle."""
     try:
-        owner = importlib.import_module(rep.module)
-        *path, last = rep.attr.split(".")
-        for part in path:
-            owner = getattr(owner, part)
+        owner, last = _owner(rep)
         return owner, last, getattr(owner, last)
     except (ImportError, AttributeError):
-        if rep.optional:
+        if rep.optional or rep.create:
             return None
         raise
 
@@ -166,6 +184,8 @@ def original(key: str):
                 _copies[key] = _function_copy(target[2])  # snapshot taken before any swap
             return _copies[key]
         if key in _installed:
+            if _installed[key][2] is _ABSENT:
+                raise KeyError(f"{rep.module}.{rep.attr} does not exist in this Paddle")
             return _installed[key][2]
         target = resolve_target(rep)
         if target is None:
@@ -177,6 +197,11 @@ def _install_one(rep: Replacement) -> bool:
     if rep.key in _installed or not _applies(rep):
         return rep.key in _installed
     target = resolve_target(rep)
+    if target is None and rep.create and rep.kind == "attr":
+        try:
+            target = (*_owner(rep), _ABSENT)
+        except (ImportError, AttributeError):
+            target = None
     if target is None:
         return False
     owner, name, current = target
@@ -192,7 +217,7 @@ def _install_one(rep: Replacement) -> bool:
         current.__kwdefaults__ = new.__kwdefaults__
     elif rep.kind == "attr":
         _installed[rep.key] = (owner, name, current)
-        setattr(owner, name, new(current))
+        setattr(owner, name, new(None if current is _ABSENT else current))
     else:  # pragma: no cover - table error
         raise ValueError(f"unknown replacement kind {rep.kind!r}")
     return True
@@ -208,7 +233,10 @@ def _uninstall_one(key: str):
         fn.__kwdefaults__ = kwdefaults
     else:
         owner, name, obj = saved
-        setattr(owner, name, obj)
+        if obj is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, obj)
 
 
 def install(feature: str):

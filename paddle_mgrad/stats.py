@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["recompute", "linear", "fused_params", "reset", "snapshot"]
+__all__ = ["recompute", "linear", "paddle_c_ops", "fused_params", "reset", "snapshot"]
 
 _lock = threading.Lock()
 
@@ -20,6 +20,9 @@ recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 
 #: ours), and gradients the op accumulated into main_grad
 linear = {"forward": 0, "backward": 0, "overlap_forward": 0, "overlap_backward": 0,
           "into_main_grad": 0}
+#: calls of ``paddle._C_ops.fused_linear_param_grad_add`` while fused_linear is on: run by our
+#: op (CPU tensors) or handed to Paddle's own kernel (places where Paddle has one)
+paddle_c_ops = {"ours": 0, "paddle": 0}
 #: names of parameters whose gradient went through the fused op
 fused_params: set = set()
 
@@ -31,7 +34,7 @@ def bump(counters: dict, key: str, n: int = 1):
 
 def reset():
     with _lock:
-        for counters in (recompute, linear):
+        for counters in (recompute, linear, paddle_c_ops):
             for k in counters:
                 counters[k] = 0
         fused_params.clear()
@@ -40,4 +43,5 @@ def reset():
 def snapshot() -> dict:
     with _lock:
         return {"recompute": dict(recompute), "linear": dict(linear),
+                "paddle_c_ops": dict(paddle_c_ops),
                 "fused_params": set(fused_params)}

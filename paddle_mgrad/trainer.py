@@ -16,11 +16,22 @@ Flags (spelled as PaddleNLP's ``llm/`` scripts spell them):
   Paddle's ``recompute`` -- also the name PaddleNLP's modeling files imported at
   import time -- becomes :func:`paddle_mgrad.recompute`.
 
+When another arguments dataclass of the parser already defines
+``enable_linear_fused_grad_add`` (PaddleNLP's own ``PreTrainingArguments`` in
+``llm/run_pretrain.py`` does), use ``mgrad_arguments_for(PreTrainingArguments, ...)``
+instead of :class:`MgradArguments` -- the same fields minus the taken ones, so
+argparse sees no conflicting option -- and pass every arguments object to
+:func:`apply`: it reads the flag from whichever one has it.
+
+Without any code: ``PADDLE_MGRAD=all`` (see :mod:`paddle_mgrad.autoload`).
+
 Nothing here imports PaddleNLP.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,7 +39,7 @@ from ._compat import paddle
 from .errors import FlagError
 from .switch import enable
 
-__all__ = ["MgradArguments", "FlagError", "apply"]
+__all__ = ["MgradArguments", "mgrad_arguments_for", "FlagError", "apply"]
 
 
 @dataclass
@@ -46,6 +57,27 @@ class MgradArguments:
         default=True, metadata={"help": "Report which parameters got their gradient in main_grad."})
 
 
+def mgrad_arguments_for(*dataclasses_):
+    """:class:`MgradArguments` without the fields the given dataclasses already define.
+
+    ``PdArgumentParser((PreTrainingArguments, ..., mgrad_arguments_for(PreTrainingArguments)))``
+    parses ``--enable_linear_fused_grad_add`` once, into ``PreTrainingArguments``;
+    :func:`apply` finds it there.  Returns :class:`MgradArguments` itself when
+    nothing clashes.
+    """
+    taken = {f.name for dc in dataclasses_ for f in dataclasses.fields(dc)}
+    own = dataclasses.fields(MgradArguments)
+    if not taken & {f.name for f in own}:
+        return MgradArguments
+    hints = typing.get_type_hints(MgradArguments)
+    kept = [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
+            for f in own if f.name not in taken]
+    cls = dataclasses.make_dataclass("MgradArguments", kept)
+    cls.__module__ = __name__
+    cls.__doc__ = f"MgradArguments without {', '.join(sorted(taken & {f.name for f in own}))}."
+    return cls
+
+
 def _flag_requested(name, argv) -> bool:
     """Whether ``--name`` was last given as true (``--name``, ``--name true``, ``--name=true``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -59,17 +91,23 @@ def _flag_requested(name, argv) -> bool:
     return value
 
 
-def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, argv=None) -> dict:
+def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *other_args,
+          argv=None) -> dict:
     """Validate the flags and switch paddle_mgrad on; call before building the model.
+
+    ``--enable_linear_fused_grad_add`` is read from whichever of ``mgrad_args``,
+    ``training_args`` and ``other_args`` has it (true in any of them: on).
 
     Returns what was enabled, e.g. ``{"recompute": True, "fused_linear": True,
     "op_backend": "cpp-onednn"}``.  Raises :class:`FlagError` (one line) for
     combinations that cannot work.
     """
     mgrad_args = mgrad_args or MgradArguments()
+    fused = any(bool(getattr(a, "enable_linear_fused_grad_add", False))
+                for a in (mgrad_args, training_args, *other_args) if a is not None)
     recompute_on = bool(getattr(training_args, "recompute", False))
-    fix_recompute = recompute_on if mgrad_args.mgrad_fix_recompute is None \
-        else mgrad_args.mgrad_fix_recompute
+    fix = getattr(mgrad_args, "mgrad_fix_recompute", None)
+    fix_recompute = recompute_on if fix is None else fix
     amp_on = bool(getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False))
 
     if training_args is not None and _flag_requested("amp_master_grad", argv) and not amp_on:
@@ -79,8 +117,8 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, argv=
             getattr(training_args, "fp16_opt_level", "O2") != "O2":
         raise FlagError("--amp_master_grad keeps fp32 master gradients for O2 AMP only: "
                         "use --fp16_opt_level O2.")
-    info = {"recompute": bool(fix_recompute), "fused_linear": bool(mgrad_args.enable_linear_fused_grad_add)}
-    if mgrad_args.enable_linear_fused_grad_add:
+    info = {"recompute": bool(fix_recompute), "fused_linear": fused}
+    if fused:
         from . import ops
 
         backend = ops.backend()

@@ -29,6 +29,7 @@ def test_every_entry_is_documented_and_unique():
     for r in registry.REPLACEMENTS:
         assert r.feature in registry.FEATURES + ("support",)
         assert r.kind in ("code", "attr")
+        assert not r.create or r.kind == "attr", r.key
         assert len(r.why) > 30, r.key
         assert ":" in r.new, r.key
 
@@ -40,7 +41,8 @@ def test_enable_then_disable_restores_every_original_by_identity():
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     _run_recompute()  # installs the lazy (support) entries
     installed = set(registry.installed_keys())
-    expected = {r.key for r in registry.REPLACEMENTS if before[r.key] is not None and r.when()}
+    expected = {r.key for r in registry.REPLACEMENTS
+                if (before[r.key] is not None or r.create) and r.when()}
     assert installed == expected
     if PADDLE2:
         assert "PyLayerContext.save_for_backward" in installed

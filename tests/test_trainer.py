@@ -80,3 +80,38 @@ def test_audit_reports_params_outside_main_grad():
     s = audit.summary()
     assert s["in_fp32_main_grad"] == 0 and len(s["missing"]) == 2
     assert "NOT in main_grad" in audit.report()
+
+
+def test_apply_takes_the_fused_flag_from_whichever_args_object_has_it():
+    """PaddleNLP's llm/run_pretrain.py defines --enable_linear_fused_grad_add on its own
+    PreTrainingArguments: the flag counts wherever it is."""
+    import dataclasses
+
+    unrelated = dataclasses.make_dataclass("Unrelated", [("seq_length", int, 128)])
+    assert T.mgrad_arguments_for(unrelated) is T.MgradArguments
+    info = T.apply(targs(enable_linear_fused_grad_add=True), T.MgradArguments(), argv=[])
+    assert info["fused_linear"] is True and paddle_mgrad.enabled()["fused_linear"]
+    paddle_mgrad.disable()
+    other = SimpleNamespace(enable_linear_fused_grad_add=True)
+    assert T.apply(targs(), T.MgradArguments(), other, argv=[])["fused_linear"] is True
+    paddle_mgrad.disable()
+    assert T.apply(targs(enable_linear_fused_grad_add=False), T.MgradArguments(),
+                   argv=[])["fused_linear"] is False
+
+
+def test_mgrad_arguments_for_drops_the_fields_others_define():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class PreTrainingArguments:
+        enable_linear_fused_grad_add: bool = False
+
+    cls = T.mgrad_arguments_for(PreTrainingArguments)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert names == ["mgrad_fix_recompute", "mgrad_audit"]
+    args = cls()
+    assert args.mgrad_fix_recompute is None and args.mgrad_audit is True
+    info = T.apply(targs(), args, argv=[])  # no enable_linear_fused_grad_add anywhere: off
+    assert info == {"recompute": True, "fused_linear": False}
+    pre = PreTrainingArguments(enable_linear_fused_grad_add=True)
+    assert T.apply(targs(), args, pre, argv=[])["fused_linear"] is True

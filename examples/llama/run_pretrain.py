@@ -63,6 +63,10 @@ def parse(argv):
 
     if argv and argv[0].endswith(".json"):
         argv = _json_to_argv(argv[0]) + argv[1:]
+    if not any(a == "--report_to" or a.startswith("--report_to=") for a in argv):
+        # PaddleNLP's default (visualdl) crashes on Paddle 3.3.1 when it logs our bool flags
+        # as hparams ("HparamInfo.int_value: Expected an int, got a boolean").
+        argv = ["--report_to", "none"] + list(argv)
     parser = PdArgumentParser((ModelArguments, DataArguments, TrainingArguments, MgradArguments))
     return parser.parse_args_into_dataclasses(args=argv) + (argv,)
 

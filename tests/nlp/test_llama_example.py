@@ -126,3 +126,27 @@ def test_amp_master_grad_without_amp_is_a_one_line_error(example, tmp_path):
     assert rc == 2
     err = [line for line in out.splitlines() if "run_pretrain.py: error:" in line]
     assert len(err) == 1 and "--bf16" in err[0]
+
+
+def test_flags_only_no_json(tmp_path):
+    """PaddleNLP's default --report_to (visualdl) crashed the example on Paddle 3.3.1 when run
+    with flags only; the example defaults it to none."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import EXAMPLE, ROOT
+
+    out_dir = tmp_path / "flags"
+    cmd = [sys.executable, EXAMPLE, "--output_dir", str(out_dir), "--max_steps", "2",
+           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+           "--logging_steps", "1", "--save_steps", "1000", "--amp_master_grad", "--bf16",
+           "--fp16_opt_level", "O2", "--recompute", "--recompute_granularity", "full",
+           "--recompute_use_reentrant", "false", "--enable_linear_fused_grad_add"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    s = json.load(open(out_dir / "mgrad_summary.json"))
+    assert s["global_step"] == 2 and s["enabled"]["fused_linear"] and s["enabled"]["recompute"]
+    assert s["audit"]["in_fp32_main_grad"] == s["audit"]["trainable"]
+    assert not (out_dir / "runs").exists() and "visualdl" not in r.stdout + r.stderr

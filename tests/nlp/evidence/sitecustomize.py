@@ -1,0 +1,90 @@
+"""Test-only evidence collector for scripts run unmodified (put on PYTHONPATH by
+tests/nlp/test_paddlenlp_llm.py; never part of the package).
+
+* ``PMG_TEST_PTH_DIR``: where paddle_mgrad is not pip-installed (tests run from a source
+  tree), process that directory as a site dir so its copy of ``paddle_mgrad_autoload.pth``
+  runs exactly as site-packages' would, at interpreter start.
+* ``PMG_TEST_AUDIT_DIR``: when PaddleNLP's ``Trainer`` is imported, wrap ``Trainer.train``
+  to attach ``paddle_mgrad.audit.MainGradAudit`` to the model and write, per process,
+  ``audit.<rank>.json``: the audit, paddle_mgrad's counters and what is installed.
+Imports nothing heavy at start: no paddle.
+"""
+import os
+import sys
+
+_pth_dir = os.environ.get("PMG_TEST_PTH_DIR")
+if _pth_dir and "paddle_mgrad_autoload" not in sys.modules:
+    import site
+
+    site.addsitedir(_pth_dir)
+
+
+def _after_import(module_name, callback):
+    """Call ``callback(module)`` once ``module_name`` has been executed."""
+
+    class Hook:
+        def find_spec(self, name, path=None, target=None):
+            if name != module_name:
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            loader = spec.loader
+            exec_module = loader.exec_module
+
+            def run(module):
+                try:
+                    exec_module(module)
+                finally:
+                    del loader.exec_module
+                callback(module)
+
+            loader.exec_module = run
+            return spec
+
+    sys.meta_path.insert(0, Hook())
+
+
+def _instrument(trainer_module):
+    import json
+
+    Trainer = trainer_module.Trainer
+    train = Trainer.train
+
+    def train_with_audit(self, *args, **kwargs):
+        import paddle
+
+        from paddle_mgrad import registry, stats
+        from paddle_mgrad.audit import MainGradAudit
+
+        audit = MainGradAudit(self.model)
+        before = stats.snapshot()
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            after = stats.snapshot()
+            out = {
+                "rank": int(os.environ.get("PADDLE_TRAINER_ID", "0")),
+                "audit": audit.summary(),
+                "recompute": {k: after["recompute"][k] - before["recompute"][k]
+                              for k in after["recompute"]},
+                "linear": {k: after["linear"][k] - before["linear"][k] for k in after["linear"]},
+                "paddle_c_ops": {k: after["paddle_c_ops"][k] - before["paddle_c_ops"][k]
+                                 for k in after["paddle_c_ops"]},
+                "installed": registry.installed_keys(),
+                "F_linear_is_paddle_function": paddle.nn.functional.linear
+                is paddle.nn.functional.common.linear,
+                "main_grad_dtypes": sorted({str(p.main_grad.dtype) for p in self.model.parameters()
+                                            if getattr(p, "main_grad", None) is not None}),
+            }
+            d = os.environ["PMG_TEST_AUDIT_DIR"]
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, f"audit.{out['rank']}.json"), "w") as f:
+                json.dump(out, f, indent=1, default=str)
+
+    Trainer.train = train_with_audit
+
+
+if os.environ.get("PMG_TEST_AUDIT_DIR"):
+    _after_import("paddlenlp.trainer.trainer", _instrument)
