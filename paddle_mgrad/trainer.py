@@ -121,13 +121,18 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *othe
     if fused:
         from . import ops
 
-        backend = ops.backend()
-        info["op_backend"] = backend
-        on_gpu = paddle.get_device().startswith("gpu")
-        if on_gpu and "+cuda" not in backend:
+        info["op_backend"] = ops.backend()
+        gpu_tier = ops.backends()["gpu"]
+        if paddle.get_device().startswith("gpu") and gpu_tier in (None, "python"):
+            # Without our CUDA op or Paddle's own fused op, GPU tensors would take the slow
+            # pure-Paddle path: refuse rather than train slowly without saying so.
             raise FlagError(
-                "--enable_linear_fused_grad_add on GPU needs paddle_mgrad's op built with CUDA "
-                f"(now: {backend}; {ops.fallback_reason() or 'Paddle without CUDA'}); install "
-                "paddlepaddle-gpu and a CUDA toolkit (nvcc, cuBLASLt), or drop the flag.")
+                "--enable_linear_fused_grad_add on GPU needs paddle_mgrad's CUDA op or Paddle's "
+                f"fused_linear_param_grad_add kernel (now: {info['op_backend']}; "
+                f"{ops.cuda_fallback_reason() or ops.fallback_reason() or 'Paddle without CUDA'}); "
+                "install paddlepaddle-gpu and a CUDA toolkit (nvcc, cuBLASLt), or drop the flag.")
     enable(recompute=info["recompute"], fused_linear=info["fused_linear"])
+    on = ", ".join(k for k in ("recompute", "fused_linear") if info[k]) or "nothing"
+    op = f" (op: {info['op_backend']})" if fused else ""
+    print(f"paddle_mgrad: {on} on{op} via trainer flags", file=sys.stderr, flush=True)
     return info

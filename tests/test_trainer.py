@@ -57,6 +57,20 @@ def test_fused_linear_on_gpu_without_cuda_build_is_refused(monkeypatch):
     assert not paddle_mgrad.enabled()["fused_linear"]  # nothing half-enabled
 
 
+def test_gpu_with_paddles_fused_op_is_accepted_and_logged(monkeypatch, capsys):
+    """A CUDA Paddle without our CUDA build still has Paddle's own fused op for GPU tensors:
+    the flag is accepted, and apply() says in one line what runs."""
+    from paddle_mgrad import ops
+
+    monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")
+    monkeypatch.setattr(ops, "backends", lambda: {"cpu": "cpp-onednn", "gpu": "paddle-fused"})
+    info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
+    assert info["fused_linear"] and paddle_mgrad.enabled()["fused_linear"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("paddle_mgrad: ") and "fused_linear on (op: cpp-" in err[-1]
+    assert err[-1].endswith("via trainer flags")
+
+
 def test_audit_counts_main_grad_and_fused_params():
     T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
     net = paddle.nn.Sequential(paddle.nn.Embedding(10, 8), paddle.nn.Linear(8, 8),
