@@ -47,6 +47,15 @@ def _accumulator(p):
     return "fresh", None
 
 
+def _check_main_grad(p):
+    """``p.main_grad`` must be None (allocated by the first backward) or float32."""
+    mg = getattr(p, "main_grad", None)
+    if mg is not None and mg.dtype != paddle.float32:
+        raise FusedLinearError(
+            f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected float32 "
+            "(fp32 master gradient)")
+
+
 def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
@@ -59,9 +68,10 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     if w_kind == "grad" and w_acc.dtype != paddle.float32 and w_acc.dtype != x.dtype:
         w_acc = None  # cannot accumulate across these dtypes in place: return fresh
         w_kind = "fresh"
-    if w_kind == "main_grad" and w_acc is not None and w_acc.dtype != paddle.float32:
-        raise FusedLinearError(
-            f"{weight.name}.main_grad is {w_acc.dtype}, expected float32 (fp32 master gradient)")
+    if w_kind == "main_grad":
+        _check_main_grad(weight)
+    if b_kind == "main_grad":
+        _check_main_grad(bias)
     # fp32 accumulators whenever the destination is main_grad or an fp32 .grad.
     mp = w_kind == "main_grad" or (w_acc is not None and w_acc.dtype == paddle.float32) \
         or weight.dtype == paddle.float32
@@ -111,6 +121,9 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
                 y = y + bias
         else:
             y = original("linear")(x, weight, bias)
+        for p in (weight, bias):
+            if p is not None and not p.stop_gradient:
+                _check_main_grad(p)  # fail in forward, not deep inside Paddle's backward engine
         ctx.save_for_backward(x)
         ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
         ctx.bias = bias
