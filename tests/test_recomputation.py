@@ -362,7 +362,7 @@ def test_amp_state_replayed(use_reentrant):
 
 
 # ------------------------------------------------------------- determinism
-@pytest.mark.parametrize("kind", ["shape", "count", "dtype"])
+@pytest.mark.parametrize("kind", ["shape", "fewer", "extra", "dtype"])
 def test_nondeterministic_recomputation_raises(kind):
     calls = []
 
@@ -376,8 +376,8 @@ def test_nondeterministic_recomputation_raises(kind):
             h = x if first else x.astype("float64")
             return paddle.tanh(h).sum().astype("float32")
         h = paddle.tanh(x)
-        if first:
-            h = paddle.tanh(h)  # one more saved tensor in forward only
+        if first == (kind == "fewer"):
+            h = paddle.tanh(h)  # one more saved tensor in the forward (fewer) or the rerun (extra)
         return h.sum()
 
     x = paddle.randn([4])
@@ -386,12 +386,50 @@ def test_nondeterministic_recomputation_raises(kind):
     with pytest.raises(RecomputeError) as e:
         y.backward()
     msg = str(e.value)
-    assert "fn" in msg and "saved" in msg
+    assert "recompute(" in msg and "fn) is not deterministic" in msg
     if kind == "shape":
-        assert "[8]" in msg and "[4]" in msg
+        assert "forward saved shape=[4], dtype=paddle.float32, recomputation saved" in msg
+        assert "shape=[8]" in msg
     if kind == "dtype":
-        assert "float64" in msg
+        assert "dtype=paddle.float64" in msg
+    if kind == "fewer":  # the count check after the rerun, naming the first missing tensor
+        assert "first missing: #" in msg and "tensors, the forward saved" in msg
+    if kind == "extra":  # the rerun's pack hook saw more tensors than the forward saved
+        assert "recomputation saved an extra tensor #" in msg and "the forward saved only" in msg
     assert isinstance(e.value, RuntimeError)
+    assert paddle.framework._dygraph_tracer()._has_grad  # grad mode back on after the error
+
+
+def test_leaf_needing_grad_is_kept_not_recomputed():
+    """A leaf that needs a gradient (neither a parameter nor an argument: read from a
+    closure) is held as the object itself: backward gets *that* tensor, so an attribute
+    assigned to it in backward (``t.main_grad = ...``) lands on it, not on a view."""
+    leaf = paddle.randn([3, 4])
+    leaf.stop_gradient = False
+    seen = {}
+
+    class Mul(paddle.autograd.PyLayer):
+        @staticmethod
+        def forward(ctx, x, t):
+            ctx.save_for_backward(x, t)
+            return x * t
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, t = ctx.saved_tensor()
+            seen["same"] = t is leaf
+            seen["ptr"] = t.data_ptr()
+            return dy * t, dy * x
+
+    x = paddle.randn([3, 4])
+    x.stop_gradient = False
+    before = stats.recompute["recomputations"]
+    y = paddle_mgrad.recompute(lambda a: Mul.apply(paddle.tanh(a), leaf), x, use_reentrant=False)
+    y.sum().backward()
+    assert stats.recompute["recomputations"] == before + 1  # tanh(a) was recomputed
+    assert seen["same"], "backward got a view of the leaf, not the leaf"
+    assert seen["ptr"] == leaf.data_ptr()
+    np.testing.assert_allclose(leaf.grad.numpy(), np.tanh(x.numpy()), rtol=1e-6, atol=1e-6)
 
 
 @native_bug(True, "Paddle does not check recomputation; the gradient is silently wrong")
