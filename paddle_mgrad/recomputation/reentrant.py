@@ -11,6 +11,13 @@ a parameter is the only input that needs a gradient, a one-element anchor
 tensor keeps the ``PyLayer``'s outputs differentiable.  Every tensor argument,
 also inside a tuple or list, is its own ``PyLayer`` input, so each gets its own
 gradient slot (Paddle 2.6 drops the first element's gradient of a tuple).
+
+``determinism_check="values"``: the forward runs without grad and saves no
+activations, so there is nothing per-activation to compare; instead each tensor
+*output* of the block is fingerprinted in forward and again after the re-run in
+backward.  A difference (the re-run's gradients would belong to other values
+than the ones the rest of the model used) raises :class:`RecomputeError`.
+``"shapes"`` and ``"none"`` check nothing here (as Paddle's reentrant mode).
 """
 from __future__ import annotations
 
@@ -18,9 +25,12 @@ import inspect
 
 from .. import stats
 from .._compat import is_parameter, is_tensor, paddle, tracer
+from ..errors import RecomputeError
 from . import amp as _amp
+from . import backward_errors as _errors
 from . import rng as _rng
-from .tensors import any_needs_grad, detached_view
+from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
+                      fingerprint_mismatch, function_name)
 
 # Arguments are encoded into a layout plus a flat list of tensors: every tensor
 # (also inside tuples) is its own PyLayer input, so its gradient has its own
@@ -59,9 +69,43 @@ def _params_in(layout):
             yield from _params_in(value)
 
 
+def _output_prints(outputs):
+    outs = (outputs,) if is_tensor(outputs) else outputs
+    if not isinstance(outs, (tuple, list)):
+        return []
+    return [(k, o.name, fingerprint(o)) for k, o in enumerate(outs) if is_tensor(o)]
+
+
+def _check_outputs(function, forward, recomputed):
+    """Raise RecomputeError if the re-run's outputs differ from the forward's."""
+    problems = []
+    if [k for k, _, _ in forward] != [k for k, _, _ in recomputed]:
+        problems.append(f"the forward returned tensors at positions {[k for k, _, _ in forward]}, "
+                        f"recomputation at {[k for k, _, _ in recomputed]}")
+    else:
+        pairs = [(f, r) for f, r in zip(forward, recomputed) if f[2] is not None and r[2] is not None]
+        if pairs:
+            both = paddle.stack([f[2] for f, _ in pairs] + [r[2] for _, r in pairs]).numpy()
+            for j, (f, _) in enumerate(pairs):
+                field = fingerprint_mismatch(both[j], both[len(pairs) + j])
+                if field is not None:
+                    problems.append(
+                        f"output #{f[0]} (forward name {f[1]!r}) has different values: "
+                        f"{FINGERPRINT_FIELDS[field]} {both[j][field]!r} in the forward, "
+                        f"{both[len(pairs) + j][field]!r} in recomputation")
+    if problems:
+        err = RecomputeError(
+            f"recompute({function_name(function)}, use_reentrant=True) is not deterministic: "
+            + "; ".join(problems) + ". Gradients would be wrong. Make the block depend only on "
+            "its inputs (use preserve_rng_state=True for dropout, avoid data-dependent branches).")
+        _errors.record(err)  # Paddle's engine re-raises it as OSError
+        raise err
+
+
 class _ReentrantRecompute(paddle.autograd.PyLayer):
     @staticmethod
-    def forward(ctx, run_function, preserve_rng_state, offload, layout, kwargs, n_tensors, *tensors):
+    def forward(ctx, run_function, preserve_rng_state, offload, layout, kwargs, check, n_tensors,
+                *tensors):
         ctx.run_function = run_function
         ctx.kwargs = kwargs
         ctx.layout = layout
@@ -72,6 +116,7 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
         tensors = tensors[:n_tensors]
         with paddle.no_grad():
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
+        ctx.prints = _output_prints(outputs) if check == "values" else None
         for k in offload:
             cpu = tensors[k].cpu()
             cpu._share_buffer_to(tensors[k])
@@ -99,6 +144,8 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
                 outputs = ctx.run_function(*run_args, **ctx.kwargs)
         finally:
             t._has_grad = has_grad
+        if ctx.prints is not None:
+            _check_outputs(ctx.run_function, ctx.prints, _output_prints(outputs))
         if is_tensor(outputs):
             outputs = (outputs,)
 
@@ -146,7 +193,8 @@ def _flatten_call(function, args, kwargs):
     return flat
 
 
-def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs):
+def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
+                        check="shapes"):
     """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
     stats.bump(stats.recompute, "reentrant")
     flat = _flatten_call(function, args, kwargs) if kwargs else list(args)
@@ -174,7 +222,9 @@ def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwa
         a = paddle.zeros([1])
         a.stop_gradient = False
         anchor.append(a)
+    if check == "values":
+        _errors.install()
     return _ReentrantRecompute.apply(
-        function, preserve_rng_state, offload, layout, call_kwargs, len(tensors),
+        function, preserve_rng_state, offload, layout, call_kwargs, check, len(tensors),
         *tensors, *anchor,
     )
