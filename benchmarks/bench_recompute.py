@@ -7,6 +7,11 @@ printed as ratios against Paddle's own recompute in the same run.
 
     python benchmarks/bench_recompute.py [--blocks 8 --hidden 512 --tokens 2048]
 
+``ours_*_values`` run paddle_mgrad's recompute with ``determinism_check="values"``
+(fingerprints of the recomputed activations); their last column is the step time
+against the same mode with the default shape check, in the same run.
+``--threads`` sets OMP_NUM_THREADS for every child (default: the number of CPUs).
+
 Memory is Paddle's host allocator statistics: ``peak`` is the peak allocated
 during a training step, ``saved`` what stays allocated between the end of the
 forward and the start of backward (what recompute is for).
@@ -18,8 +23,8 @@ import statistics
 import subprocess
 import sys
 
-MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "paddle_reentrant",
-         "ours_reentrant"]
+MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "ours_non_reentrant_values",
+         "paddle_reentrant", "ours_reentrant", "ours_reentrant_values"]
 
 
 def child(args):
@@ -49,11 +54,12 @@ def child(args):
     run_block = None
     if mode != "none":
         impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
-        reentrant = mode.endswith("_reentrant") and not mode.endswith("non_reentrant")
+        reentrant = "_reentrant" in mode and "non_reentrant" not in mode
         preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
+        extra = {"determinism_check": "values"} if mode.endswith("_values") else {}
 
         def _recompute_block(f, x):
-            return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve)
+            return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve, **extra)
 
         run_block = _recompute_block
 
@@ -92,16 +98,24 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
         return child(args)
 
     env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    res = {m: [] for m in MODES}
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"unknown modes {unknown}")
+    res = {m: [] for m in modes}
     for _ in range(args.rounds):
-        for m in MODES:
+        for m in modes:
             cmd = [sys.executable, __file__, "--child", m] + [
                 f"--{k}={getattr(args, k)}" for k in ("blocks", "hidden", "tokens", "steps", "warmup")]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -116,24 +130,28 @@ def main():
           f"{args.blocks} blocks, hidden {args.hidden}, tokens {args.tokens}, "
           f"median of {args.rounds} rounds x {args.steps} steps")
     summary = {}
-    for m in MODES:
+    for m in modes:
         ok = [r for r in res[m] if r]
         if ok:
             summary[m] = {"time": statistics.median(r["time"] for r in ok),
                           "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
-    print(f"{'mode':24s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
-          f"{'peak/paddle':>12s}")
-    for m in MODES:
+    print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
+          f"{'peak/paddle':>12s} {'time/shapes':>12s}")
+    for m in modes:
         if m not in summary:
-            print(f"{m:24s} {'failed':>9s}")
+            print(f"{m:26s} {'failed':>9s}")
             continue
         s = summary[m]
-        base = summary.get("paddle_reentrant" if m.endswith("_reentrant") and "non" not in m
-                           else "paddle_non_reentrant")
+        base = None
+        if m != "none":
+            base = summary.get("paddle_reentrant" if "non_reentrant" not in m
+                               else "paddle_non_reentrant")
         rt = f"{s['time'] / base['time']:.3f}" if base else "-"
         rp = f"{s['peak'] / base['peak']:.3f}" if base else "-"
-        print(f"{m:24s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
-              f"{rt:>12s} {rp:>12s}")
+        shapes = summary.get(m[:-len("_values")]) if m.endswith("_values") else None
+        rv = f"{s['time'] / shapes['time']:.3f}" if shapes else "-"
+        print(f"{m:26s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
+              f"{rt:>12s} {rp:>12s} {rv:>12s}")
 
 
 if __name__ == "__main__":

@@ -198,3 +198,58 @@ def test_paddle_recompute_sequential_with_fused_linear(segments, main_grad):
         np.testing.assert_allclose(n, r, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     assert fused > 0
+
+
+@pytest.mark.parametrize("transpose_weight", [False, True])
+@pytest.mark.parametrize("bias", ["none", "1d", "1xN"])
+def test_incubate_fused_linear_same_as_paddle(transpose_weight, bias):
+    """``paddle.incubate.nn.functional.fused_linear`` (test_fused_matmul_bias patterns):
+    3-D x, weight [K, N] or [N, K], bias None/[N]/[1, N] -- same output and gradients."""
+    from paddle.incubate.nn.functional import fused_linear as inc
+
+    def run():
+        x = _t(X3)
+        w = _param(W.T.copy() if transpose_weight else W)
+        b = None if bias == "none" else _param(B if bias == "1d" else B[None])
+        before = stats.linear["forward"]
+        try:
+            y = inc(x, w, b, transpose_weight=transpose_weight)
+            (y * y).sum().backward()
+        except Exception as e:  # noqa: BLE001
+            return {"error": e}
+        ts = [x, w] + ([b] if b is not None else [])
+        return {"y": y.numpy(), "grads": [t.grad.numpy() for t in ts],
+                "fused": stats.linear["forward"] - before}
+
+    plain = run()
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        ours = run()
+    finally:
+        paddle_mgrad.disable()
+    if bias == "1xN":  # not ours: Paddle's function, Paddle's result or error
+        if "error" not in ours:
+            assert ours["fused"] == 0
+        if "error" in plain:
+            assert isinstance(ours.get("error"), type(plain["error"])), (plain, ours)
+            return
+    assert "error" not in ours, ours
+    if "error" not in plain:
+        np.testing.assert_allclose(ours["y"], plain["y"], rtol=1e-6, atol=1e-6)
+        for a, b in zip(ours["grads"], plain["grads"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if bias == "1xN":
+        return
+    # Paddle's own has no CPU kernel with a bias (fused_gemm_epilogue): ours computes it;
+    # either way ours equals float64 numpy
+    assert ours["fused"] == 1
+    x64, w64 = X3.astype("f8"), W.astype("f8")
+    y64 = x64 @ w64 + (B.astype("f8") if bias == "1d" else 0)
+    dy = 2 * y64
+    np.testing.assert_allclose(ours["y"], y64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours["grads"][0], dy @ w64.T, rtol=1e-5, atol=1e-5)
+    dw = dy.reshape(-1, 5).T @ x64.reshape(-1, 4) if transpose_weight else \
+        x64.reshape(-1, 4).T @ dy.reshape(-1, 5)
+    np.testing.assert_allclose(ours["grads"][1], dw, rtol=1e-5, atol=1e-5)
+    if bias == "1d":
+        np.testing.assert_allclose(ours["grads"][2], dy.reshape(-1, 5).sum(0), rtol=1e-5, atol=1e-5)
