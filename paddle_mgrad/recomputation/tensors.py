@@ -74,7 +74,7 @@ def _sample_weights(n, place):
     key = (str(place), n)
     w = _weights.get(key)
     if w is None:
-        w = _weights[key] = paddle.arange(1, n + 1, dtype="float32")
+        w = _weights[key] = paddle.to_tensor(np.arange(1, n + 1, dtype="float32"), place=place)
     return w
 
 
