@@ -10,7 +10,8 @@ printed as ratios against Paddle's own recompute in the same run.
 ``ours_*_values`` run paddle_mgrad's recompute with ``determinism_check="values"``
 (fingerprints of the recomputed activations); their last column is the step time
 against the same mode with the default shape check, in the same run.
-``--threads`` sets OMP_NUM_THREADS for every child (default: the number of CPUs).
+``cpu/shapes`` is the same ratio in process CPU time (less sensitive to other
+load on a shared machine).  ``--threads`` sets OMP_NUM_THREADS for every child (default: the number of CPUs).
 
 Memory is Paddle's host allocator statistics: ``peak`` is the peak allocated
 during a training step, ``saved`` what stays allocated between the end of the
@@ -64,14 +65,14 @@ def child(args):
         run_block = _recompute_block
 
     x0 = paddle.randn([args.tokens, d])
-    times, peaks, saved = [], [], []
+    times, cpu, peaks, saved = [], [], [], []
     for step in range(args.warmup + args.steps):
         x = x0.detach()
         x.stop_gradient = False
         base = core.host_memory_stat_current_value("Allocated", 0)
         if hasattr(core, "host_memory_stat_reset_peak_value"):
             core.host_memory_stat_reset_peak_value("Allocated", 0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         h = x
         for b in net:
             h = b(h) if run_block is None else run_block(b, h)
@@ -80,13 +81,14 @@ def child(args):
         loss.backward()
         for p in net.parameters():
             p.clear_gradient()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         del h, loss, x  # so the next step's baseline holds only parameters and x0
         if step >= args.warmup:
             times.append(t1 - t0)
+            cpu.append(c1 - c0)
             peaks.append(core.host_memory_stat_peak_value("Allocated", 0) - base)
             saved.append(after_fwd - base)
-    print(json.dumps({"mode": mode, "time": statistics.median(times),
+    print(json.dumps({"mode": mode, "time": statistics.median(times), "cpu": statistics.median(cpu),
                       "peak": max(peaks), "saved": max(saved)}))
 
 
@@ -134,9 +136,10 @@ def main():
         ok = [r for r in res[m] if r]
         if ok:
             summary[m] = {"time": statistics.median(r["time"] for r in ok),
+                          "cpu": statistics.median(r["cpu"] for r in ok),
                           "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
     print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
-          f"{'peak/paddle':>12s} {'time/shapes':>12s}")
+          f"{'peak/paddle':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s}")
     for m in modes:
         if m not in summary:
             print(f"{m:26s} {'failed':>9s}")
@@ -150,8 +153,9 @@ def main():
         rp = f"{s['peak'] / base['peak']:.3f}" if base else "-"
         shapes = summary.get(m[:-len("_values")]) if m.endswith("_values") else None
         rv = f"{s['time'] / shapes['time']:.3f}" if shapes else "-"
+        rc = f"{s['cpu'] / shapes['cpu']:.3f}" if shapes else "-"
         print(f"{m:26s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
-              f"{rt:>12s} {rp:>12s} {rv:>12s}")
+              f"{rt:>12s} {rp:>12s} {rv:>12s} {rc:>11s}")
 
 
 if __name__ == "__main__":

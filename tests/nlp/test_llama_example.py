@@ -125,7 +125,7 @@ def test_resume_from_checkpoint(example, tmp_path):
     paddle_mgrad the resumed runs agree (losses and final parameters).  What does not
     hold in PaddleNLP 2.8.1 on CPU, with or without paddle_mgrad (measured, asserted
     equal for both): the parameters after resume+2 steps equal the uninterrupted run's
-    only to a loose tolerance, not bit for bit."""
+    only to a loose tolerance, and the 2nd step after resuming logs another loss."""
     rc, out, whole = example(tmp_path / "whole", *RESUME, "--max_steps", "4", "--save_steps", "2")
     assert rc == 0, out[-4000:]
     first, second = _resume(example, tmp_path / "on")
@@ -154,10 +154,14 @@ def test_resume_from_checkpoint(example, tmp_path):
                                    err_msg=k)
         gap_on = max(gap_on, float(np.abs(fin_on[k].numpy() - fin_whole[k].numpy()).max()))
         gap_off = max(gap_off, float(np.abs(fin_off[k].numpy() - fin_whole[k].numpy()).max()))
-    # 4. resumed vs uninterrupted final parameters: the same (loose) gap with and without us
+    # 4. PaddleNLP 2.8.1 is not continuous from the 2nd step after resuming (measured here:
+    # step-4 loss 5.300 resumed vs 5.035 uninterrupted, final parameters 4.9e-3 apart), the
+    # same with and without paddle_mgrad.  Asserted, so that a PaddleNLP fix shows.
+    assert abs(new[1] - whole["logged_losses"][3]) > 1e-3
+    assert abs(plain["logged_losses"][3] - whole["logged_losses"][3]) > 1e-3
     print(f"max |resumed - uninterrupted| after 4 steps: ours {gap_on:.3g}, PaddleNLP {gap_off:.3g}")
-    assert gap_on < 1e-2 and gap_off < 1e-2
-    np.testing.assert_allclose(gap_on, gap_off, rtol=0.1, atol=1e-6)
+    assert 0 < gap_on < 5e-2 and 0 < gap_off < 5e-2
+    np.testing.assert_allclose(gap_on, gap_off, rtol=0.05, atol=1e-6)
 
 
 def test_amp_master_grad_without_amp_is_a_one_line_error(example, tmp_path):
