@@ -157,3 +157,25 @@ def test_no_capture_without_preserve_rng_state(fake):
     paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False,
                            preserve_rng_state=False).sum().backward()
     assert fake.log == [] and fake.tracker.log == []
+
+
+def test_cpu_when_custom_device_list_is_none(monkeypatch):
+    """``paddle.device.get_all_custom_device_type()`` is documented to return None when no
+    custom device is registered: capture must still work (CPU generator only)."""
+    monkeypatch.setattr(paddle.device, "get_all_custom_device_type", lambda: None)
+    snap = rng.capture()
+    assert snap.device_kind == "cpu" and snap.device_state is None
+    a = paddle.rand([3]).numpy()
+    with snap.restored():
+        b = paddle.rand([3]).numpy()
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name,args", [
+    ("get_cuda_rng_state", ()), ("set_cuda_rng_state", ([],)), ("get_rng_state", ()),
+    ("get_rng_state", ("npu:0",)), ("set_rng_state", ([],)), ("set_rng_state", ([], "npu:0"))])
+def test_fakes_are_called_as_paddles_real_functions_accept(name, args):
+    """The calls rng.py makes (and the fakes above receive) bind to the real signatures."""
+    import inspect
+
+    inspect.signature(getattr(paddle, name)).bind(*args)
