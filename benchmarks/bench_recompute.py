@@ -11,7 +11,9 @@ printed as ratios against Paddle's own recompute in the same run.
 (fingerprints of the recomputed activations); their last column is the step time
 against the same mode with the default shape check, in the same run.
 ``cpu/shapes`` is the same ratio in process CPU time (less sensitive to other
-load on a shared machine).  ``--threads`` sets OMP_NUM_THREADS for every child (default: the number of CPUs).
+load on a shared machine); ``fingerprint`` is the share of the step's wall time spent
+computing fingerprints, timed inside the step (the cost of "values" without the noise
+of comparing two runs).  ``--threads`` sets OMP_NUM_THREADS for every child (default: the number of CPUs).
 
 Memory is Paddle's host allocator statistics: ``peak`` is the peak allocated
 during a training step, ``saved`` what stays allocated between the end of the
@@ -52,12 +54,27 @@ def child(args):
 
     net = paddle.nn.LayerList([Block() for _ in range(blocks)])
     mode = args.child
+    fp_time = [0.0]
     run_block = None
     if mode != "none":
         impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
         reentrant = "_reentrant" in mode and "non_reentrant" not in mode
         preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
         extra = {"determinism_check": "values"} if mode.endswith("_values") else {}
+        if extra:  # time spent fingerprinting, measured inside the step (CPU: synchronous)
+            from paddle_mgrad.recomputation import non_reentrant, reentrant
+
+            def timed(fp):
+                def f(t):
+                    t0 = time.perf_counter()
+                    try:
+                        return fp(t)
+                    finally:
+                        fp_time[0] += time.perf_counter() - t0
+                return f
+
+            non_reentrant.fingerprint = timed(non_reentrant.fingerprint)
+            reentrant.fingerprint = timed(reentrant.fingerprint)
 
         def _recompute_block(f, x):
             return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve, **extra)
@@ -65,13 +82,14 @@ def child(args):
         run_block = _recompute_block
 
     x0 = paddle.randn([args.tokens, d])
-    times, cpu, peaks, saved = [], [], [], []
+    times, cpu, peaks, saved, fps = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         x = x0.detach()
         x.stop_gradient = False
         base = core.host_memory_stat_current_value("Allocated", 0)
         if hasattr(core, "host_memory_stat_reset_peak_value"):
             core.host_memory_stat_reset_peak_value("Allocated", 0)
+        fp_time[0] = 0.0
         t0, c0 = time.perf_counter(), time.process_time()
         h = x
         for b in net:
@@ -86,9 +104,11 @@ def child(args):
         if step >= args.warmup:
             times.append(t1 - t0)
             cpu.append(c1 - c0)
+            fps.append(fp_time[0] / (t1 - t0))
             peaks.append(core.host_memory_stat_peak_value("Allocated", 0) - base)
             saved.append(after_fwd - base)
     print(json.dumps({"mode": mode, "time": statistics.median(times), "cpu": statistics.median(cpu),
+                      "fp_share": statistics.median(fps),
                       "peak": max(peaks), "saved": max(saved)}))
 
 
@@ -137,9 +157,10 @@ def main():
         if ok:
             summary[m] = {"time": statistics.median(r["time"] for r in ok),
                           "cpu": statistics.median(r["cpu"] for r in ok),
+                          "fp_share": statistics.median(r["fp_share"] for r in ok),
                           "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
     print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
-          f"{'peak/paddle':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s}")
+          f"{'peak/paddle':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s} {'fingerprint':>11s}")
     for m in modes:
         if m not in summary:
             print(f"{m:26s} {'failed':>9s}")
@@ -154,8 +175,9 @@ def main():
         shapes = summary.get(m[:-len("_values")]) if m.endswith("_values") else None
         rv = f"{s['time'] / shapes['time']:.3f}" if shapes else "-"
         rc = f"{s['cpu'] / shapes['cpu']:.3f}" if shapes else "-"
+        rf = f"{s['fp_share'] * 100:.1f}%" if m.endswith("_values") else "-"
         print(f"{m:26s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
-              f"{rt:>12s} {rp:>12s} {rv:>12s} {rc:>11s}")
+              f"{rt:>12s} {rp:>12s} {rv:>12s} {rc:>11s} {rf:>11s}")
 
 
 if __name__ == "__main__":
