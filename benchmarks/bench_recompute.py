@@ -7,6 +7,14 @@ printed as ratios against Paddle's own recompute in the same run.
 
     python benchmarks/bench_recompute.py [--blocks 8 --hidden 512 --tokens 2048]
 
+``ours_*_values`` run paddle_mgrad's recompute with ``determinism_check="values"``
+(fingerprints of the recomputed activations); their last column is the step time
+against the same mode with the default shape check, in the same run.
+``cpu/shapes`` is the same ratio in process CPU time (less sensitive to other
+load on a shared machine); ``fingerprint`` is the share of the step's wall time spent
+computing fingerprints, timed inside the step (the cost of "values" without the noise
+of comparing two runs).  ``--threads`` sets OMP_NUM_THREADS for every child (default: the number of CPUs).
+
 Memory is Paddle's host allocator statistics: ``peak`` is the peak allocated
 during a training step, ``saved`` what stays allocated between the end of the
 forward and the start of backward (what recompute is for).
@@ -18,8 +26,8 @@ import statistics
 import subprocess
 import sys
 
-MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "paddle_reentrant",
-         "ours_reentrant"]
+MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "ours_non_reentrant_values",
+         "paddle_reentrant", "ours_reentrant", "ours_reentrant_values"]
 
 
 def child(args):
@@ -46,26 +54,43 @@ def child(args):
 
     net = paddle.nn.LayerList([Block() for _ in range(blocks)])
     mode = args.child
+    fp_time = [0.0]
     run_block = None
     if mode != "none":
         impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
-        reentrant = mode.endswith("_reentrant") and not mode.endswith("non_reentrant")
+        reentrant = "_reentrant" in mode and "non_reentrant" not in mode
         preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
+        extra = {"determinism_check": "values"} if mode.endswith("_values") else {}
+        if extra:  # time spent fingerprinting, measured inside the step (CPU: synchronous)
+            from paddle_mgrad.recomputation import non_reentrant, reentrant
+
+            def timed(fp):
+                def f(t):
+                    t0 = time.perf_counter()
+                    try:
+                        return fp(t)
+                    finally:
+                        fp_time[0] += time.perf_counter() - t0
+                return f
+
+            non_reentrant.fingerprint = timed(non_reentrant.fingerprint)
+            reentrant.fingerprint = timed(reentrant.fingerprint)
 
         def _recompute_block(f, x):
-            return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve)
+            return impl(f, x, use_reentrant=reentrant, preserve_rng_state=preserve, **extra)
 
         run_block = _recompute_block
 
     x0 = paddle.randn([args.tokens, d])
-    times, peaks, saved = [], [], []
+    times, cpu, peaks, saved, fps = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         x = x0.detach()
         x.stop_gradient = False
         base = core.host_memory_stat_current_value("Allocated", 0)
         if hasattr(core, "host_memory_stat_reset_peak_value"):
             core.host_memory_stat_reset_peak_value("Allocated", 0)
-        t0 = time.perf_counter()
+        fp_time[0] = 0.0
+        t0, c0 = time.perf_counter(), time.process_time()
         h = x
         for b in net:
             h = b(h) if run_block is None else run_block(b, h)
@@ -74,13 +99,16 @@ def child(args):
         loss.backward()
         for p in net.parameters():
             p.clear_gradient()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         del h, loss, x  # so the next step's baseline holds only parameters and x0
         if step >= args.warmup:
             times.append(t1 - t0)
+            cpu.append(c1 - c0)
+            fps.append(fp_time[0] / (t1 - t0))
             peaks.append(core.host_memory_stat_peak_value("Allocated", 0) - base)
             saved.append(after_fwd - base)
-    print(json.dumps({"mode": mode, "time": statistics.median(times),
+    print(json.dumps({"mode": mode, "time": statistics.median(times), "cpu": statistics.median(cpu),
+                      "fp_share": statistics.median(fps),
                       "peak": max(peaks), "saved": max(saved)}))
 
 
@@ -92,16 +120,24 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
         return child(args)
 
     env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    res = {m: [] for m in MODES}
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"unknown modes {unknown}")
+    res = {m: [] for m in modes}
     for _ in range(args.rounds):
-        for m in MODES:
+        for m in modes:
             cmd = [sys.executable, __file__, "--child", m] + [
                 f"--{k}={getattr(args, k)}" for k in ("blocks", "hidden", "tokens", "steps", "warmup")]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -116,24 +152,32 @@ def main():
           f"{args.blocks} blocks, hidden {args.hidden}, tokens {args.tokens}, "
           f"median of {args.rounds} rounds x {args.steps} steps")
     summary = {}
-    for m in MODES:
+    for m in modes:
         ok = [r for r in res[m] if r]
         if ok:
             summary[m] = {"time": statistics.median(r["time"] for r in ok),
+                          "cpu": statistics.median(r["cpu"] for r in ok),
+                          "fp_share": statistics.median(r["fp_share"] for r in ok),
                           "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
-    print(f"{'mode':24s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
-          f"{'peak/paddle':>12s}")
-    for m in MODES:
+    print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
+          f"{'peak/paddle':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s} {'fingerprint':>11s}")
+    for m in modes:
         if m not in summary:
-            print(f"{m:24s} {'failed':>9s}")
+            print(f"{m:26s} {'failed':>9s}")
             continue
         s = summary[m]
-        base = summary.get("paddle_reentrant" if m.endswith("_reentrant") and "non" not in m
-                           else "paddle_non_reentrant")
+        base = None
+        if m != "none":
+            base = summary.get("paddle_reentrant" if "non_reentrant" not in m
+                               else "paddle_non_reentrant")
         rt = f"{s['time'] / base['time']:.3f}" if base else "-"
         rp = f"{s['peak'] / base['peak']:.3f}" if base else "-"
-        print(f"{m:24s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
-              f"{rt:>12s} {rp:>12s}")
+        shapes = summary.get(m[:-len("_values")]) if m.endswith("_values") else None
+        rv = f"{s['time'] / shapes['time']:.3f}" if shapes else "-"
+        rc = f"{s['cpu'] / shapes['cpu']:.3f}" if shapes else "-"
+        rf = f"{s['fp_share'] * 100:.1f}%" if m.endswith("_values") else "-"
+        print(f"{m:26s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
+              f"{rt:>12s} {rp:>12s} {rv:>12s} {rc:>11s} {rf:>11s}")
 
 
 if __name__ == "__main__":

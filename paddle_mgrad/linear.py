@@ -21,7 +21,7 @@ Holding the parameter costs nothing: the model holds it anyway.
 from __future__ import annotations
 
 from . import ops, stats
-from ._compat import paddle
+from ._compat import is_tensor, paddle, tracer
 from .errors import FusedLinearError
 from .registry import original
 
@@ -47,6 +47,15 @@ def _accumulator(p):
     return "fresh", None
 
 
+def _check_main_grad(p):
+    """``p.main_grad`` must be None (allocated by the first backward) or float32."""
+    mg = getattr(p, "main_grad", None)
+    if mg is not None and mg.dtype != paddle.float32:
+        raise FusedLinearError(
+            f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected float32 "
+            "(fp32 master gradient)")
+
+
 def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
@@ -59,9 +68,10 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     if w_kind == "grad" and w_acc.dtype != paddle.float32 and w_acc.dtype != x.dtype:
         w_acc = None  # cannot accumulate across these dtypes in place: return fresh
         w_kind = "fresh"
-    if w_kind == "main_grad" and w_acc is not None and w_acc.dtype != paddle.float32:
-        raise FusedLinearError(
-            f"{weight.name}.main_grad is {w_acc.dtype}, expected float32 (fp32 master gradient)")
+    if w_kind == "main_grad":
+        _check_main_grad(weight)
+    if b_kind == "main_grad":
+        _check_main_grad(bias)
     # fp32 accumulators whenever the destination is main_grad or an fp32 .grad.
     mp = w_kind == "main_grad" or (w_acc is not None and w_acc.dtype == paddle.float32) \
         or weight.dtype == paddle.float32
@@ -111,6 +121,9 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
                 y = y + bias
         else:
             y = original("linear")(x, weight, bias)
+        for p in (weight, bias):
+            if p is not None and not p.stop_gradient:
+                _check_main_grad(p)  # fail in forward, not deep inside Paddle's backward engine
         ctx.save_for_backward(x)
         ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
         ctx.bias = bias
@@ -138,22 +151,51 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
 
 
 def _validate(x, weight, bias, transpose_weight=False):
-    if len(weight.shape) != 2:
-        raise FusedLinearError(f"fused_linear: weight must be 2-D, got {list(weight.shape)}")
+    """Raise for inputs Paddle's linear rejects too (as a ValueError, like Paddle's)."""
     k = weight.shape[1] if transpose_weight else weight.shape[0]
-    n = weight.shape[0] if transpose_weight else weight.shape[1]
     if x.shape[-1] != k:
         raise FusedLinearError(
             f"fused_linear: x {list(x.shape)} does not match weight {list(weight.shape)} "
             f"(x's last dim must be {k})")
-    if bias is not None and list(bias.shape) != [n]:
-        raise FusedLinearError(f"fused_linear: bias {list(bias.shape)} must be [{n}]")
 
 
-def _use_paddle(x, weight, bias) -> bool:
-    """Cases the PyLayer has nothing to add to: static graph, no grad, no parameter grad, 1-D x."""
-    return (not paddle.in_dynamic_mode() or not paddle.framework._dygraph_tracer()._has_grad
-            or not (_wants_grad(weight) or _wants_grad(bias)) or len(x.shape) < 2)
+def _plain_dense(t) -> bool:
+    """A plain dense eager Tensor (not a numpy array, tuple, SelectedRows or dist tensor)."""
+    return (is_tensor(t) and (not hasattr(t, "is_dense") or t.is_dense())
+            and not (hasattr(t, "is_dist") and t.is_dist()))
+
+
+def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
+    """Whether the call goes to Paddle's own function unchanged.
+
+    The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
+    grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
+    plain dense tensors of one dtype the op supports, on one place, none empty;
+    ``weight`` 2-D, ``x`` at least 2-D, ``bias`` None or 1-D ``[N]``.  Everything
+    else -- Paddle 2.6's ``linear((x,), w)`` (``recompute_sequential`` does that),
+    numpy inputs, 1-D ``x``, broadcast biases, dtype mixes, zero-size tensors --
+    is Paddle's, with Paddle's result or Paddle's error.  A mismatched ``x``/``weight``
+    inner dimension stays ours: :func:`_validate` raises a ValueError naming shapes.
+    """
+    if not paddle.in_dynamic_mode() or not tracer()._has_grad:
+        return True
+    if not (_plain_dense(x) and _plain_dense(weight)):
+        return True
+    if bias is not None and not _plain_dense(bias):
+        return True
+    if not (_wants_grad(weight) or _wants_grad(bias)):
+        return True
+    if len(weight.shape) != 2 or len(x.shape) < 2 or x.dtype != weight.dtype:
+        return True
+    if str(x.dtype).replace("paddle.", "") not in ops._SUPPORTED:
+        return True
+    if bias is not None:
+        n = weight.shape[0] if transpose_weight else weight.shape[1]
+        if bias.dtype != x.dtype or list(bias.shape) != [n]:
+            return True
+    if 0 in x.shape or 0 in weight.shape or not x.place._equals(weight.place):
+        return True
+    return False
 
 
 def fused_linear(x, weight, bias=None, name=None):
@@ -166,7 +208,7 @@ def fused_linear(x, weight, bias=None, name=None):
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):
     """Drop-in for ``paddle.incubate.nn.functional.fused_linear``."""
-    if _use_paddle(x, weight, bias):
+    if _use_paddle(x, weight, bias, transpose_weight):
         return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)
     _validate(x, weight, bias, transpose_weight)
     return FusedLinearWithGradAdd.apply(x, weight, bias, transpose_weight)

@@ -177,7 +177,8 @@ def test_bad_shapes_raise():
     w = paddle.create_parameter([5, 3], "float32")
     with pytest.raises(FusedLinearError, match=r"\[4, 7\]"):
         fused_linear(paddle.randn([4, 7]), w)
-    with pytest.raises(FusedLinearError, match=r"\[2\]"):
+    # a bias that does not broadcast: Paddle's linear gets the call and raises its ValueError
+    with pytest.raises(ValueError, match=r"\[2\]"):
         fused_linear(paddle.randn([4, 5]), w, paddle.create_parameter([2], "float32"))
 
 
@@ -254,3 +255,64 @@ def test_low_precision_grad_accumulators():
     assert out_w is None and p.grad.data_ptr() == ptr
     np.testing.assert_allclose(p.grad.astype("float32").numpy(), want_w, rtol=2e-2, atol=2e-2)
     assert out_b is not None and out_b.dtype == b.dtype
+
+
+@pytest.mark.parametrize("n", [4, 6], ids=["4x6", "square"])  # square: a wrong transpose runs
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_incubate_transpose_weight_dx(bias, n):
+    """transpose_weight=True: y = x·Wᵀ (+b), so dx = dy·W -- checked against float64 numpy."""
+    from paddle.incubate.nn.functional import fused_linear as inc
+
+    rs = np.random.RandomState(2)
+    xn, wn, bn = (rs.standard_normal(s).astype("float32") for s in ([3, 2, 6], [n, 6], [n]))
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        w = paddle.create_parameter([n, 6], "float32")
+        w.set_value(wn)
+        b = None
+        if bias:
+            b = paddle.create_parameter([n], "float32", is_bias=True)
+            b.set_value(bn)
+        w.main_grad = None
+        x = paddle.to_tensor(xn)
+        x.stop_gradient = False
+        before = stats.linear["backward"]
+        y = inc(x, w, b, transpose_weight=True)
+        (y * y).sum().backward()
+        assert stats.linear["backward"] == before + 1
+    finally:
+        paddle_mgrad.disable()
+    x64, w64 = xn.astype("f8"), wn.astype("f8")
+    y64 = x64 @ w64.T + (bn.astype("f8") if bias else 0)
+    dy = 2 * y64
+    np.testing.assert_allclose(y.numpy(), y64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), dy @ w64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(w.main_grad.numpy(), dy.reshape(-1, n).T @ x64.reshape(-1, 6),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+@pytest.mark.parametrize("when", ["before_forward", "before_backward"])
+def test_non_fp32_main_grad_is_refused(which, when):
+    """A bf16 main_grad is not an fp32 master gradient: a FusedLinearError naming the
+    parameter and the dtype (in forward when it is already there; from backward when it
+    was set after the forward -- Paddle's engine wraps that one in OSError)."""
+    w = paddle.create_parameter([5, 3], "float32")
+    b = paddle.create_parameter([3], "float32", is_bias=True)
+    w.main_grad = None
+    b.main_grad = None
+    p = w if which == "weight" else b
+    bad = paddle.zeros(p.shape).astype("bfloat16")
+    x = paddle.randn([2, 5])
+    pattern = rf"{p.name}\.main_grad is paddle\.bfloat16 \[{', '.join(map(str, p.shape))}\], expected float32"
+    if when == "before_forward":
+        p.main_grad = bad
+        with pytest.raises(FusedLinearError, match=pattern):
+            fused_linear(x, w, b)
+        return
+    y = fused_linear(x, w, b)
+    p.main_grad = bad
+    with pytest.raises((FusedLinearError, OSError), match=pattern):
+        y.sum().backward()
+    paddle.framework._dygraph_tracer()._has_grad = True  # a failed backward leaves grad off
+    assert bad.astype("float32").abs().sum().item() == 0  # nothing was written into it

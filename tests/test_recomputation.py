@@ -1,8 +1,11 @@
 """paddle_mgrad.recompute against plain autograd and against Paddle's own recompute.
 
-Cases that unpatched Paddle gets wrong run against it too, marked as strict
-expected failures (``native_bug``): if Paddle ever fixes one, the mark fails
-and tells us.
+Cases that unpatched Paddle gets wrong run against it too, as plain tests that
+assert Paddle's wrong behaviour explicitly (the error text, the copy handed to
+backward, the wrong value) next to ours being right: if Paddle ever fixes one,
+the assertion fails and tells us.  Paddle's non-reentrant recompute runs with
+``preserve_rng_state=False`` where the case is not about random state, so that
+Paddle 2.6's CPU RNG refusal does not hide the bug the test is about.
 """
 import numpy as np
 import paddle
@@ -13,12 +16,16 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 import paddle_mgrad
 from paddle_mgrad import RecomputeError
 from paddle_mgrad import stats
-from conftest import PADDLE2, native_bug
+from conftest import PADDLE2
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 
 
 def run_with(impl, function, *args, **kwargs):
     if impl == "native":
+        if not kwargs.get("use_reentrant", True):
+            # not about RNG: keep Paddle 2.6's "RNG perserve is not support current device:
+            # cpu" from hiding the bug under test
+            kwargs.setdefault("preserve_rng_state", False)
         return native_recompute(function, *args, **kwargs)
     if impl == "enabled":  # our fix reached through Paddle's own name
         paddle_mgrad.enable(recompute=True)
@@ -101,24 +108,38 @@ def test_main_grad_matches_reference(impl, mode, layer_cls, bias):
     check_main_grads(blk, reference_grads(bias, data), bias)
 
 
-@native_bug(PADDLE2, "Paddle 2.6 hands back '<name>cpy' without main_grad")
+SAVE_FOR_BACKWARD_NONE = "save_for_backward only support Tensor, list of Tensor, tuple of Tensor"
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_native_non_reentrant_save_weight_alone(bias):
+    """Paddle 2.6 hands the user's backward a '<name>cpy' copy without main_grad (the
+    backward then returns dW as .grad, which MixPrecisionLayer's hook folds in: the sums
+    are right, the in-place main_grad path is lost).  Paddle 3.3 hands the parameter."""
     data = make_data(2)
     blk = train_micro("native", "non_reentrant", SaveWeightAlone, bias, data)
-    assert all(wid in _weight_ids(blk) and has for wid, has, _, _ in SEEN)
+    ids = _weight_ids(blk)
+    assert len(SEEN) == 4
+    for wid, has_mg, name, _ in SEEN:
+        if PADDLE2:
+            assert wid not in ids and not has_mg and name.endswith("cpy"), name
+        else:
+            assert wid in ids and has_mg and not name.endswith("cpy"), name
     check_main_grads(blk, reference_grads(bias, data), bias)
 
 
-@native_bug(PADDLE2, "Paddle 2.6: save_for_backward(x, w, None) raises ValueError under recompute")
 def test_native_non_reentrant_save_all_none_bias():
+    """Paddle 2.6: ``save_for_backward(x, w, None)`` raises ValueError under recompute."""
     data = make_data(2)
+    if PADDLE2:
+        with pytest.raises(ValueError, match=SAVE_FOR_BACKWARD_NONE):
+            train_micro("native", "non_reentrant", SaveAll, False, data)
+        return
     blk = train_micro("native", "non_reentrant", SaveAll, False, data)
     check_main_grads(blk, reference_grads(False, data), False)
 
 
-@pytest.mark.parametrize("impl", ["ours", pytest.param(
-    "native", marks=native_bug(PADDLE2, "2.6 rejects None in save_for_backward under hooks"))])
+@pytest.mark.parametrize("impl", ["ours", "native"])
 def test_save_for_backward_with_none(impl):
     got = {}
 
@@ -136,6 +157,10 @@ def test_save_for_backward_with_none(impl):
 
     x = paddle.randn([4])
     x.stop_gradient = False
+    if impl == "native" and PADDLE2:  # 2.6 rejects None in save_for_backward under hooks
+        with pytest.raises(ValueError, match=SAVE_FOR_BACKWARD_NONE):
+            run_with(impl, lambda t: P.apply(t * 1.0) * 2, x, use_reentrant=False)
+        return
     y = run_with(impl, lambda t: P.apply(t * 1.0) * 2, x, use_reentrant=False)
     y.sum().backward()
     assert got["saved"] == (True, None, True)
@@ -143,10 +168,11 @@ def test_save_for_backward_with_none(impl):
 
 
 # ----------------------------------------------------------- python attributes
-@pytest.mark.parametrize("impl", ["ours", pytest.param(
-    "native", marks=native_bug(True, "both versions copy params without main_grad, dropping attributes"))])
+@pytest.mark.parametrize("impl", ["ours", "native"])
 @pytest.mark.parametrize("layer_cls", [SaveWeightAlone, SaveAll], ids=["save_weight", "save_all"])
 def test_param_python_attribute_survives(impl, layer_cls):
+    """Ours hands backward the parameter with its Python attributes; Paddle (both
+    versions) hands a '<name>cpy' copy without them (2.6 first refuses SaveAll's None)."""
     paddle.seed(3)
     blk = Block(bias=False, layer_cls=layer_cls)
     for p in blk.parameters():
@@ -154,10 +180,18 @@ def test_param_python_attribute_survives(impl, layer_cls):
     SEEN.clear()
     x = paddle.randn([4, 8])
     x.stop_gradient = False
+    if impl == "native" and PADDLE2 and layer_cls is SaveAll:
+        with pytest.raises(ValueError, match=SAVE_FOR_BACKWARD_NONE):
+            run_with(impl, blk, x, use_reentrant=False)
+        return
     y = run_with(impl, blk, x, use_reentrant=False)
     y.sum().backward()
-    assert [s[3] for s in SEEN] == [True, True]
-    assert all(s[0] in _weight_ids(blk) for s in SEEN)
+    if impl == "native":  # Paddle's bug, asserted so that a fix shows
+        assert [s[3] for s in SEEN] == [None, None]
+        assert all(s[0] not in _weight_ids(blk) and s[2].endswith("cpy") for s in SEEN)
+    else:
+        assert [s[3] for s in SEEN] == [True, True]
+        assert all(s[0] in _weight_ids(blk) for s in SEEN)
     assert blk.fc1.weight.grad is not None and blk.fc2.weight.grad is not None
 
 
@@ -220,9 +254,15 @@ def _arg_weight_run(impl, x_needs_grad, steps=2):
 
 
 @pytest.mark.parametrize("x_needs_grad", [True, False])
-@pytest.mark.parametrize("impl", ["ours", "enabled", pytest.param(
-    "native", marks=native_bug(True, "reentrant recompute deep-copies param attributes (#70508)"))])
+@pytest.mark.parametrize("impl", ["ours", "enabled", "native"])
 def test_reentrant_param_argument_keeps_main_grad(impl, x_needs_grad):
+    if impl == "native":
+        # Paddle's reentrant recompute rebuilds the parameter argument as a copy whose
+        # main_grad is lost (#70508): the user's backward fails on w.main_grad
+        with pytest.raises(OSError, match="object has no attribute 'main_grad'"):
+            _arg_weight_run(impl, x_needs_grad)
+        paddle.framework._dygraph_tracer()._has_grad = True  # a failed backward leaves grad off
+        return
     w, ref = _arg_weight_run(impl, x_needs_grad)
     assert w.grad is None
     assert w.main_grad is not None, "main_grad was written to a copy"
@@ -299,12 +339,14 @@ def _train_dropnet(rc, use_reentrant, steps=3):
 
 
 @pytest.mark.parametrize("impl,use_reentrant", [
-    ("ours", True), ("ours", False), ("native", True),
-    pytest.param("native", False, marks=native_bug(PADDLE2, "2.6: RNG preserve unsupported on cpu")),
-])
+    ("ours", True), ("ours", False), ("native", True), ("native", False)])
 def test_dropout_bit_identical_over_steps(impl, use_reentrant):
     ref_l, ref_p = _train_dropnet(None, use_reentrant)
     rc = paddle_mgrad.recompute if impl == "ours" else native_recompute
+    if impl == "native" and not use_reentrant and PADDLE2:
+        with pytest.raises(RuntimeError, match="RNG perserve is not support current device: cpu"):
+            _train_dropnet(rc, use_reentrant)
+        return
     got_l, got_p = _train_dropnet(rc, use_reentrant)
     assert np.array_equal(ref_l, got_l), (ref_l, got_l)
     for a, b in zip(ref_p, got_p):
@@ -362,7 +404,7 @@ def test_amp_state_replayed(use_reentrant):
 
 
 # ------------------------------------------------------------- determinism
-@pytest.mark.parametrize("kind", ["shape", "count", "dtype"])
+@pytest.mark.parametrize("kind", ["shape", "fewer", "extra", "dtype"])
 def test_nondeterministic_recomputation_raises(kind):
     calls = []
 
@@ -376,8 +418,8 @@ def test_nondeterministic_recomputation_raises(kind):
             h = x if first else x.astype("float64")
             return paddle.tanh(h).sum().astype("float32")
         h = paddle.tanh(x)
-        if first:
-            h = paddle.tanh(h)  # one more saved tensor in forward only
+        if first == (kind == "fewer"):
+            h = paddle.tanh(h)  # one more saved tensor in the forward (fewer) or the rerun (extra)
         return h.sum()
 
     x = paddle.randn([4])
@@ -386,28 +428,74 @@ def test_nondeterministic_recomputation_raises(kind):
     with pytest.raises(RecomputeError) as e:
         y.backward()
     msg = str(e.value)
-    assert "fn" in msg and "saved" in msg
+    assert "recompute(" in msg and "fn) is not deterministic" in msg
     if kind == "shape":
-        assert "[8]" in msg and "[4]" in msg
+        assert "forward saved shape=[4], dtype=paddle.float32, recomputation saved" in msg
+        assert "shape=[8]" in msg
     if kind == "dtype":
-        assert "float64" in msg
+        assert "dtype=paddle.float64" in msg
+    if kind == "fewer":  # the count check after the rerun, naming the first missing tensor
+        assert "first missing: #" in msg and "tensors, the forward saved" in msg
+    if kind == "extra":  # the rerun's pack hook saw more tensors than the forward saved
+        assert "recomputation saved an extra tensor #" in msg and "the forward saved only" in msg
     assert isinstance(e.value, RuntimeError)
+    assert paddle.framework._dygraph_tracer()._has_grad  # grad mode back on after the error
 
 
-@native_bug(True, "Paddle does not check recomputation; the gradient is silently wrong")
-def test_native_nondeterminism_is_silent():
+def test_leaf_needing_grad_is_kept_not_recomputed():
+    """A leaf that needs a gradient (neither a parameter nor an argument: read from a
+    closure) is held as the object itself: backward gets *that* tensor, so an attribute
+    assigned to it in backward (``t.main_grad = ...``) lands on it, not on a view."""
+    leaf = paddle.randn([3, 4])
+    leaf.stop_gradient = False
+    seen = {}
+
+    class Mul(paddle.autograd.PyLayer):
+        @staticmethod
+        def forward(ctx, x, t):
+            ctx.save_for_backward(x, t)
+            return x * t
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, t = ctx.saved_tensor()
+            seen["same"] = t is leaf
+            seen["ptr"] = t.data_ptr()
+            return dy * t, dy * x
+
+    x = paddle.randn([3, 4])
+    x.stop_gradient = False
+    before = stats.recompute["recomputations"]
+    y = paddle_mgrad.recompute(lambda a: Mul.apply(paddle.tanh(a), leaf), x, use_reentrant=False)
+    y.sum().backward()
+    assert stats.recompute["recomputations"] == before + 1  # tanh(a) was recomputed
+    assert seen["same"], "backward got a view of the leaf, not the leaf"
+    assert seen["ptr"] == leaf.data_ptr()
+    np.testing.assert_allclose(leaf.grad.numpy(), np.tanh(x.numpy()), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["ours", "native"])
+def test_nondeterministic_shape_native_is_silently_wrong(impl):
+    """A recomputation that saves a differently shaped tensor: Paddle back-propagates
+    through it without a word and returns a wrong gradient; ours raises."""
     calls = []
 
     def fn(x):
         calls.append(1)
-        h = x if len(calls) == 1 else paddle.concat([x, x])
+        h = x if len(calls) == 1 else paddle.concat([x * 3, x])
         return paddle.tanh(h).sum()
 
     x = paddle.randn([4])
     x.stop_gradient = False
-    y = native_recompute(fn, x, use_reentrant=False)
-    with pytest.raises(Exception):
-        y.backward()
+    right = 1 - np.tanh(x.numpy().astype("f8")) ** 2
+    y = run_with(impl, fn, x, use_reentrant=False)
+    if impl == "ours":
+        with pytest.raises(RecomputeError, match=r"shape=\[8\]"):
+            y.backward()
+        return
+    y.backward()  # no error
+    assert x.grad is not None and x.grad.shape == [4]
+    assert not np.allclose(x.grad.numpy(), right, rtol=1e-3, atol=1e-3), "Paddle now gets it right"
 
 
 # ----------------------------------------------- parity with Paddle's recompute

@@ -1,15 +1,34 @@
 """The public entry point, :func:`recompute`, and the trampoline Paddle's ``recompute`` runs."""
 from __future__ import annotations
 
+import os
+
 from .._compat import paddle, tracer
 from .non_reentrant import recompute_non_reentrant
 from .reentrant import recompute_reentrant
 
-__all__ = ["recompute"]
+__all__ = ["recompute", "DETERMINISM_CHECKS", "ENV_DETERMINISM_CHECK"]
+
+#: values of ``determinism_check`` (and of the environment variable below)
+DETERMINISM_CHECKS = ("shapes", "values", "none")
+#: read at each call when ``determinism_check`` is not given (for trainers and launch)
+ENV_DETERMINISM_CHECK = "PADDLE_MGRAD_DETERMINISM_CHECK"
+
+
+def determinism_check_mode(value=None):
+    """The determinism check to run: ``value``, else ``$PADDLE_MGRAD_DETERMINISM_CHECK``, else
+    ``"shapes"``; a bad value is a ValueError naming where it came from."""
+    source = "determinism_check"
+    if value is None:
+        value, source = os.environ.get(ENV_DETERMINISM_CHECK) or "shapes", ENV_DETERMINISM_CHECK
+    mode = {"default": "shapes"}.get(str(value).strip().lower(), str(value).strip().lower())
+    if mode not in DETERMINISM_CHECKS:
+        raise ValueError(f"{source}={value!r}: expected one of {', '.join(DETERMINISM_CHECKS)}")
+    return mode
 
 
 def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offload_indices=(),
-              **kwargs):
+              determinism_check=None, **kwargs):
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
 
     Drop-in for ``paddle.distributed.fleet.utils.recompute`` (same arguments,
@@ -24,11 +43,22 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
       ``random``) so that dropout masks are identical in recomputation.
     * ``offload_indices`` (reentrant only): positions of arguments to keep on
       the CPU between forward and backward.
+    * ``determinism_check``: ``"shapes"`` (default), ``"values"`` or ``"none"``;
+      when not given, the environment variable ``PADDLE_MGRAD_DETERMINISM_CHECK``
+      (read at each call), else ``"shapes"``.  See below.
     * other keyword arguments go to ``function``.
 
     Raises :class:`~paddle_mgrad.RecomputeError` in backward if recomputation
-    does not save the same tensors (count, shapes, dtypes) as the forward did.
+    does not save the same tensors (count, shapes, dtypes) as the forward did
+    (non-reentrant).  With ``"values"`` it also compares a fingerprint (sum, sum
+    of squares, a position-weighted strided sample) of every tensor that is
+    recomputed (non-reentrant: each dropped saved activation; reentrant: each
+    tensor output of the block), which catches same-shaped but different values:
+    data-dependent slicing, an unseeded random op, a mutated global.  A
+    fingerprint, not a proof: a change smaller than ~1e-5 of the tensor's
+    magnitude can pass.
     """
+    check = determinism_check_mode(determinism_check)
     if not paddle.in_dynamic_mode():
         from paddle.distributed.auto_parallel.interface import recompute as static_recompute
 
@@ -36,10 +66,11 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
     if not tracer()._has_grad:
         return function(*args, **kwargs)
     if use_reentrant:
-        return recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs)
+        return recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
+                                   check)
     if offload_indices:
         raise ValueError("offload_indices is only supported with use_reentrant=True (as in Paddle)")
-    return recompute_non_reentrant(function, preserve_rng_state, args, kwargs)
+    return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check)
 
 
 def _paddle_recompute_trampoline(function, *args, **kwargs):

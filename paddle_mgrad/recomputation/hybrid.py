@@ -32,6 +32,7 @@ from __future__ import annotations
 from .. import stats
 from .._compat import is_tensor, paddle, tracer
 from . import reentrant as _reentrant
+from .api import determinism_check_mode
 
 __all__ = ["recompute_hybrid"]
 
@@ -105,7 +106,8 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
     else:
         layout, tensors, call_kwargs, anchor = _reentrant._prepare(
             function, args, kwargs, "recompute_hybrid")
-        outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs, anchor)
+        outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs, anchor,
+                                 determinism_check_mode())
     if is_tensor(outputs):
         return outputs
     outputs = tuple(outputs)

@@ -25,7 +25,12 @@ a recomputed tensor alive.
 
 The forward records each saved tensor's shape and dtype; recomputation checks
 them, and a different count, shape or dtype raises :class:`RecomputeError`
-naming the tensor, where Paddle silently computes wrong gradients.  Hook
+naming the tensor, where Paddle silently computes wrong gradients.  With
+``determinism_check="values"`` the forward also keeps a 3-number fingerprint
+(:func:`.tensors.fingerprint`) of each tensor that will be recomputed (not of
+kept ones), and recomputation compares them: same shapes but different values
+(data-dependent slicing, an unseeded random op, a mutated global) raise too.
+The fingerprints live on the frame and die with it.  Hook
 callbacks never raise (an exception thrown through Paddle's C++ hook call loses
 its type); they record the problem and it is raised right after.
 """
@@ -40,8 +45,8 @@ from . import amp as _amp
 from . import backward_errors as _errors
 from . import rng as _rng
 from . import saved_hooks as _hooks
-from .tensors import (buffer_sharing_tensor, describe, detached_view, function_name,
-                      iter_tensors, spec)
+from .tensors import (FINGERPRINT_FIELDS, buffer_sharing_tensor, describe, detached_view,
+                      fingerprint, fingerprint_mismatch, function_name, iter_tensors, spec)
 
 
 class _Holder:
@@ -61,8 +66,11 @@ class _Holder:
 class _Frame:
     """State of one non-reentrant recompute call, shared by its hooks."""
 
-    def __init__(self, function, args, kwargs, preserve_rng_state):
+    def __init__(self, function, args, kwargs, preserve_rng_state, check="shapes"):
         self.function = function
+        self.check = check  # "shapes", "values" or "none"
+        # values check: index -> (forward name, fingerprint tensor), recomputed tensors only
+        self.prints: dict = {}
         self.args = args
         self.kwargs = kwargs
         self.rng = _rng.capture() if preserve_rng_state else None
@@ -84,6 +92,10 @@ class _Frame:
         kept = self._keep(x)
         for_op = IS_PADDLE_2 and not _hooks.in_pylayer_save()
         holder = _Holder(len(self.specs), kept, x if kept else None, for_op)
+        if self.check == "values" and not kept:
+            fp = fingerprint(x)
+            if fp is not None:
+                self.prints[holder.index] = (x.name, fp)
         self.specs.append(spec(x))
         self.holders.append(weakref.ref(holder))
         return holder
@@ -113,19 +125,21 @@ class _Frame:
         counter = 0
         problems: list = []
         specs, holders, storage = self.specs, self.holders, self.storage
+        check_shapes = self.check != "none"
+        prints, recomputed_prints = self.prints, []
 
         def inner_pack(x):
             nonlocal counter
             i = counter
             counter += 1
             if i >= len(specs):
-                if len(problems) < 3:
+                if len(problems) < 3 and check_shapes:
                     problems.append(
                         f"recomputation saved an extra tensor #{i} {describe(x)}; "
                         f"the forward saved only {len(specs)}"
                     )
                 return None
-            if spec(x) != specs[i]:
+            if check_shapes and spec(x) != specs[i]:
                 want = "None" if specs[i] is None else (
                     f"shape={list(specs[i][0])}, dtype={specs[i][1]}")
                 problems.append(
@@ -136,6 +150,8 @@ class _Frame:
             holder = holders[i]()
             if holder is None or holder.kept:
                 return None
+            if i in prints:
+                recomputed_prints.append((i, fingerprint(x), describe(x)))
             storage[holder] = buffer_sharing_tensor(x) if holder.for_op else detached_view(x)
             return None
 
@@ -146,12 +162,14 @@ class _Frame:
                 _hooks.hooks(inner_pack, inner_unpack):
             self.function(*self.args, **self.kwargs)
 
-        if counter < len(specs):
+        if counter < len(specs) and check_shapes:
             problems.append(
                 f"recomputation saved {counter} tensors, the forward saved {len(specs)} "
                 f"(first missing: #{counter}, forward saved "
                 f"{'None' if specs[counter] is None else list(specs[counter][0])})"
             )
+        if recomputed_prints and not problems:
+            problems.extend(_value_problems(prints, recomputed_prints))
         if problems:
             storage.clear()
             raise RecomputeError(
@@ -163,11 +181,32 @@ class _Frame:
             )
 
 
-def recompute_non_reentrant(function, preserve_rng_state, args, kwargs):
+def _value_problems(prints, recomputed):
+    """Messages for recomputed tensors whose fingerprint differs from the forward's.
+
+    ``prints``: index -> (forward name, fingerprint); ``recomputed``: [(index,
+    fingerprint, description)].  One device-to-host copy for all of them."""
+    idx = [i for i, _, _ in recomputed]
+    both = paddle.stack([prints[i][1] for i in idx] + [fp for _, fp, _ in recomputed]).numpy()
+    fwd, rec = both[:len(idx)], both[len(idx):]
+    problems = []
+    for k, (i, _, desc) in enumerate(recomputed):
+        field = fingerprint_mismatch(fwd[k], rec[k])
+        if field is not None:
+            problems.append(
+                f"saved tensor #{i} (forward name {prints[i][0]!r}; recomputed {desc}) has "
+                f"different values: {FINGERPRINT_FIELDS[field]} {fwd[k][field]!r} in the forward, "
+                f"{rec[k][field]!r} in recomputation")
+            if len(problems) == 3:
+                break
+    return problems
+
+
+def recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check="shapes"):
     """Run ``function`` under hooks that drop activations and keep parameters."""
     stats.bump(stats.recompute, "non_reentrant")
     _hooks.install_none_shim()
     _errors.install()
-    frame = _Frame(function, args, kwargs, preserve_rng_state)
+    frame = _Frame(function, args, kwargs, preserve_rng_state, check)
     with _hooks.hooks(frame.pack, frame.unpack):
         return function(*args, **kwargs)

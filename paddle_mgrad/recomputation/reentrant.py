@@ -11,6 +11,13 @@ a parameter is the only input that needs a gradient, a one-element anchor
 tensor keeps the ``PyLayer``'s outputs differentiable.  Every tensor argument,
 also inside a tuple or list, is its own ``PyLayer`` input, so each gets its own
 gradient slot (Paddle 2.6 drops the first element's gradient of a tuple).
+
+``determinism_check="values"``: the forward runs without grad and saves no
+activations, so there is nothing per-activation to compare; instead each tensor
+*output* of the block is fingerprinted in forward and again after the re-run in
+backward.  A difference (the re-run's gradients would belong to other values
+than the ones the rest of the model used) raises :class:`RecomputeError`.
+``"shapes"`` and ``"none"`` check nothing here (as Paddle's reentrant mode).
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from ..errors import RecomputeError
 from . import amp as _amp
 from . import backward_errors as _errors
 from . import rng as _rng
-from .tensors import any_needs_grad, detached_view, function_name, spec
+from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
+                      fingerprint_mismatch, function_name, spec)
 
 # Arguments are encoded into a layout plus a flat list of tensors: every tensor
 # (also inside tuples) is its own PyLayer input, so its gradient has its own
@@ -103,9 +111,43 @@ def _show(specs):
         for s in specs) + "]"
 
 
+def _output_prints(outputs):
+    outs = (outputs,) if is_tensor(outputs) else outputs
+    if not isinstance(outs, (tuple, list)):
+        return []
+    return [(k, o.name, fingerprint(o)) for k, o in enumerate(outs) if is_tensor(o)]
+
+
+def _check_outputs(function, forward, recomputed):
+    """Raise RecomputeError if the re-run's outputs differ from the forward's."""
+    problems = []
+    if [k for k, _, _ in forward] != [k for k, _, _ in recomputed]:
+        problems.append(f"the forward returned tensors at positions {[k for k, _, _ in forward]}, "
+                        f"recomputation at {[k for k, _, _ in recomputed]}")
+    else:
+        pairs = [(f, r) for f, r in zip(forward, recomputed) if f[2] is not None and r[2] is not None]
+        if pairs:
+            both = paddle.stack([f[2] for f, _ in pairs] + [r[2] for _, r in pairs]).numpy()
+            for j, (f, _) in enumerate(pairs):
+                field = fingerprint_mismatch(both[j], both[len(pairs) + j])
+                if field is not None:
+                    problems.append(
+                        f"output #{f[0]} (forward name {f[1]!r}) has different values: "
+                        f"{FINGERPRINT_FIELDS[field]} {both[j][field]!r} in the forward, "
+                        f"{both[len(pairs) + j][field]!r} in recomputation")
+    if problems:
+        err = RecomputeError(
+            f"recompute({function_name(function)}, use_reentrant=True) is not deterministic: "
+            + "; ".join(problems) + ". Gradients would be wrong. Make the block depend only on "
+            "its inputs (use preserve_rng_state=True for dropout, avoid data-dependent branches).")
+        _errors.record(err)  # Paddle's engine re-raises it as OSError
+        raise err
+
+
 class _ReentrantRecompute(paddle.autograd.PyLayer):
     @staticmethod
-    def forward(ctx, run_function, preserve_rng_state, stash, layout, kwargs, n_tensors, *tensors):
+    def forward(ctx, run_function, preserve_rng_state, stash, layout, kwargs, check, n_tensors,
+                *tensors):
         ctx.run_function = run_function
         ctx.kwargs = kwargs
         ctx.layout = layout
@@ -116,7 +158,10 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
         tensors = tensors[:n_tensors]
         with paddle.no_grad():
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
-        ctx.output_specs = _output_specs(outputs)
+        # determinism check: "shapes" compares the outputs' shapes/dtypes, "values" also
+        # their fingerprints, "none" nothing
+        ctx.output_specs = _output_specs(outputs) if check != "none" else None
+        ctx.prints = _output_prints(outputs) if check == "values" else None
         if stash.mark_frozen:
             # As fleet's recompute_hybrid: an output that *is* a stop_gradient input
             # (pipeline stages pass masks through) must not become differentiable.
@@ -141,7 +186,7 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
                 outputs = ctx.run_function(*run_args, **ctx.kwargs)
         finally:
             t._has_grad = has_grad
-        specs = _output_specs(outputs)
+        specs = _output_specs(outputs) if ctx.output_specs is not None else None
         if specs != ctx.output_specs:
             err = RecomputeError(
                 f"recompute({function_name(ctx.run_function)}) is not deterministic: the forward "
@@ -150,6 +195,8 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
                 "only on its inputs (dropout: keep preserve_rng_state=True).")
             _errors.record(err)
             raise err
+        if ctx.prints is not None:
+            _check_outputs(ctx.run_function, ctx.prints, _output_prints(outputs))
         if is_tensor(outputs):
             outputs = (outputs,)
 
@@ -222,16 +269,18 @@ def _prepare(function, args, kwargs, what):
     return layout, tensors, call_kwargs, anchor
 
 
-def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, anchor):
+def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, anchor,
+        check="shapes"):
     """Apply the PyLayer (shared with :mod:`.hybrid`)."""
     _errors.install()  # RecomputeError from backward keeps its type
     return _ReentrantRecompute.apply(
-        function, preserve_rng_state, stash, layout, call_kwargs, len(tensors),
+        function, preserve_rng_state, stash, layout, call_kwargs, check, len(tensors),
         *tensors, *anchor,
     )
 
 
-def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs):
+def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
+                        check="shapes"):
     """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
     stats.bump(stats.recompute, "reentrant")
     layout, tensors, call_kwargs, anchor = _prepare(
@@ -242,4 +291,4 @@ def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwa
             raise ValueError(f"offload_indices: argument {i} is not a (non-parameter) tensor")
         offload.append(layout[i][1])
     return run(function, preserve_rng_state, Offload(offload), layout, tensors, call_kwargs,
-               anchor)
+               anchor, check)

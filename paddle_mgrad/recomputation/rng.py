@@ -55,7 +55,7 @@ class RNGState:
         elif dev.startswith("xpu"):
             self.device_kind = "xpu"
             self.device_state = paddle.get_rng_state()
-        elif dev.split(":")[0] in paddle.device.get_all_custom_device_type():
+        elif dev.split(":")[0] in (paddle.device.get_all_custom_device_type() or ()):  # may be None
             self.device_kind = "custom"
             self.device_state = paddle.get_rng_state(dev)
         else:

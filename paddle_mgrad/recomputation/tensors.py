@@ -1,6 +1,8 @@
 """Small tensor helpers shared by both recompute implementations."""
 from __future__ import annotations
 
+import numpy as np
+
 from .._compat import core, is_tensor, paddle
 
 
@@ -60,3 +62,55 @@ def buffer_sharing_tensor(t):
     t._share_buffer_to(out)
     out.stop_gradient = t.stop_gradient
     return out
+
+
+# -- value fingerprints (determinism_check="values") ---------------------------
+FINGERPRINT_FIELDS = ("sum", "sum of squares", "position-weighted sample sum")
+_SAMPLE = 1024  # elements in the strided sample
+_weights: dict = {}  # (place, n) -> 1..n as float32 (tiny, shared)
+
+
+def _sample_weights(n, place):
+    key = (str(place), n)
+    w = _weights.get(key)
+    if w is None:
+        w = _weights[key] = paddle.to_tensor(np.arange(1, n + 1, dtype="float32"), place=place)
+    return w
+
+
+def fingerprint(t):
+    """A cheap fingerprint of ``t``'s values: a float64 tensor of 3 numbers (see
+    :data:`FINGERPRINT_FIELDS`), computed on ``t``'s device without a host sync.
+
+    One reduction (sum), one BLAS dot product (sum of squares: no temporary) and a
+    position-weighted sum of a strided sample of at most 1024 elements (catches
+    permutations the sums miss).  Non-float32/64 tensors are cast to float32 first
+    (a copy).  Returns None for tensors it cannot fingerprint (complex)."""
+    if t is None or "complex" in str(t.dtype):
+        return None
+    # no grad (nothing is saved: the pack hooks are not re-entered), no AMP (the sums stay
+    # in the tensor's precision and no low-precision kernel is needed on CPU)
+    with paddle.no_grad(), paddle.amp.auto_cast(enable=False):
+        x = t if t.dtype in (paddle.float32, paddle.float64) else t.astype("float32")
+        flat = x.reshape([-1])
+        n = flat.shape[0]
+        if n == 0:
+            return paddle.zeros([3], dtype="float64")
+        step = max(1, n // _SAMPLE)
+        sample = flat[::step][:_SAMPLE]
+        w = _sample_weights(sample.shape[0], flat.place).astype(flat.dtype)
+        parts = [flat.sum(), paddle.matmul(flat, flat), paddle.matmul(sample, w)]
+        return paddle.stack([p.reshape([]) for p in parts]).astype("float64")
+
+
+def fingerprint_mismatch(forward, recomputed, rtol=1e-5):
+    """First field where two fingerprints (numpy float64 [3]) differ, or None.
+
+    Equal up to ``rtol`` relative to the larger magnitude (GPU reductions may
+    differ in the last bits between runs); NaN equals NaN."""
+    for i, (a, b) in enumerate(zip(forward, recomputed)):
+        if np.isnan(a) and np.isnan(b):
+            continue
+        if not abs(a - b) <= rtol * max(abs(a), abs(b)):
+            return i
+    return None

@@ -96,8 +96,12 @@ def test_data_parallel_matches_single_process(example, tmp_path):
         np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+RESUME = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1"]
+
+
 def _resume(example, out_dir, *extra):
-    base = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", *extra]
+    """Train 2 steps saving checkpoint-2, then resume from it to step 4 (same output dir)."""
+    base = [*RESUME, *extra]
     rc, out, first = example(out_dir, *base, "--max_steps", "2", "--save_steps", "2")
     assert rc == 0, out[-4000:]
     ckpt = out_dir / "checkpoint-2"
@@ -107,17 +111,57 @@ def _resume(example, out_dir, *extra):
     return first, second
 
 
+def _load(path):
+    return paddle.load(str(path))
+
+
 def test_resume_from_checkpoint(example, tmp_path):
-    """A second run resumes from the first one's checkpoint with every flag on, exactly as
-    PaddleNLP resumes without paddle_mgrad.  (PaddleNLP 2.8.1 itself does not continue
-    bit-for-bit: the 2nd step after resuming differs from an uninterrupted run, with or
-    without paddle_mgrad, so the reference is PaddleNLP's own resume.)"""
+    """Resume with every flag on, checked against an *uninterrupted* run (separate
+    processes, same seed) and against PaddleNLP's own resume without paddle_mgrad.
+
+    What holds (asserted): the first 2 steps and checkpoint-2 equal the uninterrupted
+    run's; the first step after resuming logs the uninterrupted run's step-3 loss (a
+    forward of the checkpoint's parameters on the 3rd batch); with and without
+    paddle_mgrad the resumed runs agree (losses and final parameters).  What does not
+    hold in PaddleNLP 2.8.1 on CPU, with or without paddle_mgrad (measured, asserted
+    equal for both): the parameters after resume+2 steps equal the uninterrupted run's
+    only to a loose tolerance, and the 2nd step after resuming logs another loss."""
+    rc, out, whole = example(tmp_path / "whole", *RESUME, "--max_steps", "4", "--save_steps", "2")
+    assert rc == 0, out[-4000:]
     first, second = _resume(example, tmp_path / "on")
     _, plain = _resume(example, tmp_path / "off", *OFF, "--amp_master_grad", "false",
                        "--bf16", "false")
     assert second["global_step"] == 4 and second["audit"]["in_fp32_main_grad"] > 0
-    np.testing.assert_allclose(second["logged_losses"], plain["logged_losses"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(second["logged_losses"][:2], first["logged_losses"], rtol=0, atol=0)
+    assert second["recompute_calls"]["non_reentrant"] > 0  # the resumed run went through ours
+    # 1. before the interruption: identical to the uninterrupted run
+    np.testing.assert_array_equal(first["logged_losses"], whole["logged_losses"][:2])
+    ck, ck_whole = (_load(d / "checkpoint-2" / "model_state.pdparams")
+                    for d in (tmp_path / "on", tmp_path / "whole"))
+    assert sorted(ck) == sorted(ck_whole)
+    for k in ck:
+        np.testing.assert_array_equal(ck[k].numpy(), ck_whole[k].numpy(), err_msg=k)
+    # 2. the first step after resuming starts from exactly the checkpoint
+    new = second["logged_losses"][2:]
+    assert len(new) == 2
+    np.testing.assert_allclose(new[0], whole["logged_losses"][2], rtol=1e-6, atol=1e-6)
+    # 3. paddle_mgrad resumes as PaddleNLP does without it
+    np.testing.assert_allclose(new, plain["logged_losses"][2:], rtol=1e-5, atol=1e-5)
+    fin_on, fin_off, fin_whole = (_load(d / "model_state.pdparams")
+                                  for d in (tmp_path / "on", tmp_path / "off", tmp_path / "whole"))
+    gap_on, gap_off = 0.0, 0.0
+    for k in fin_on:
+        np.testing.assert_allclose(fin_on[k].numpy(), fin_off[k].numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=k)
+        gap_on = max(gap_on, float(np.abs(fin_on[k].numpy() - fin_whole[k].numpy()).max()))
+        gap_off = max(gap_off, float(np.abs(fin_off[k].numpy() - fin_whole[k].numpy()).max()))
+    # 4. PaddleNLP 2.8.1 is not continuous from the 2nd step after resuming (measured here:
+    # step-4 loss 5.300 resumed vs 5.035 uninterrupted, final parameters 4.9e-3 apart), the
+    # same with and without paddle_mgrad.  Asserted, so that a PaddleNLP fix shows.
+    assert abs(new[1] - whole["logged_losses"][3]) > 1e-3
+    assert abs(plain["logged_losses"][3] - whole["logged_losses"][3]) > 1e-3
+    print(f"max |resumed - uninterrupted| after 4 steps: ours {gap_on:.3g}, PaddleNLP {gap_off:.3g}")
+    assert 0 < gap_on < 5e-2 and 0 < gap_off < 5e-2
+    np.testing.assert_allclose(gap_on, gap_off, rtol=0.05, atol=1e-6)
 
 
 def test_amp_master_grad_without_amp_is_a_one_line_error(example, tmp_path):

@@ -1,0 +1,208 @@
+"""determinism_check="values": same shapes, different values in recomputation -> RecomputeError.
+
+Each non-deterministic block below saves tensors of the same shapes and dtypes in
+the forward and in recomputation, so the default shape check (like torch's
+CheckpointError and Paddle) lets it through with silently inconsistent gradients;
+that is asserted too, to document what "values" adds.
+"""
+import gc
+import weakref
+
+import numpy as np
+import paddle
+import pytest
+
+import paddle_mgrad
+from paddle_mgrad import RecomputeError
+from paddle_mgrad.recomputation import non_reentrant
+from paddle_mgrad.recomputation.api import ENV_DETERMINISM_CHECK
+from paddle_mgrad.recomputation.tensors import fingerprint, fingerprint_mismatch
+from userlayers import Block
+
+MODES = [False, True]  # use_reentrant
+
+
+def _unseeded_random():
+    def fn(x):  # a random op whose state is not replayed (preserve_rng_state=False)
+        return paddle.tanh(x * paddle.rand(x.shape))
+
+    return fn, {"preserve_rng_state": False}
+
+
+def _mutated_global():
+    scale = {"v": 1.0}
+
+    def fn(x):
+        out = paddle.tanh(x * scale["v"])
+        scale["v"] += 1.0  # e.g. a schedule stepped between forward and backward
+        return out
+
+    return fn, {}
+
+
+def _data_dependent_slice():
+    calls = []
+    big = paddle.randn([4, 8])
+
+    def fn(x):
+        calls.append(1)
+        k = len(calls) % 2  # a different window each time it runs, same shape
+        return paddle.tanh(x * big[k:k + 2])
+
+    return fn, {}
+
+
+CASES = {"unseeded_random": _unseeded_random, "mutated_global": _mutated_global,
+         "data_dependent_slice": _data_dependent_slice}
+
+
+def _run(case, use_reentrant, **kw):
+    paddle.seed(5)
+    fn, extra = CASES[case]()
+    x = paddle.randn([2, 8])
+    x.stop_gradient = False
+    y = paddle_mgrad.recompute(fn, x, use_reentrant=use_reentrant, **extra, **kw)
+    (y * y).sum().backward()
+    return x.grad.numpy()
+
+
+@pytest.mark.parametrize("use_reentrant", MODES, ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_values_check_catches_what_shapes_check_misses(case, use_reentrant):
+    with pytest.raises(RecomputeError) as e:
+        _run(case, use_reentrant, determinism_check="values")
+    msg = str(e.value)
+    assert "is not deterministic" in msg and "has different values" in msg
+    assert " in the forward, " in msg and " in recomputation" in msg
+    if use_reentrant:
+        assert "output #0 (forward name '" in msg
+    else:
+        assert "saved tensor #" in msg and "(forward name '" in msg and "shape=[2, 8]" in msg
+    assert paddle.framework._dygraph_tracer()._has_grad
+    # the default shape check does not see it (documented: that is what "values" is for)
+    _run(case, use_reentrant)
+    _run(case, use_reentrant, determinism_check="shapes")
+
+
+@pytest.mark.parametrize("use_reentrant", MODES, ids=["non_reentrant", "reentrant"])
+def test_values_check_silent_and_same_grads_when_deterministic(use_reentrant):
+    """Dropout with preserve_rng_state=True replays bit for bit: no false alarm, and
+    the gradients equal the unchecked run's."""
+    grads = {}
+    for check in ("shapes", "values", "none"):
+        paddle.seed(9)
+        blk = Block(bias=True, dropout=0.4)
+        x = paddle.randn([3, 8])
+        x.stop_gradient = False
+        y = paddle_mgrad.recompute(blk, x, use_reentrant=use_reentrant, determinism_check=check)
+        (y * y).sum().backward()
+        grads[check] = [x.grad.numpy()] + [p.grad.numpy() for p in blk.parameters()]
+    for check in ("values", "none"):
+        for a, b in zip(grads["shapes"], grads[check]):
+            assert np.array_equal(a, b)
+
+
+def test_environment_variable_read_at_call_time(monkeypatch):
+    monkeypatch.setenv(ENV_DETERMINISM_CHECK, "values")
+    with pytest.raises(RecomputeError, match="has different values"):
+        _run("mutated_global", False)
+    _run("mutated_global", False, determinism_check="shapes")  # the argument wins
+    monkeypatch.setenv(ENV_DETERMINISM_CHECK, "shapes")
+    _run("mutated_global", False)
+    monkeypatch.setenv(ENV_DETERMINISM_CHECK, "bogus")
+    x = paddle.randn([2])
+    x.stop_gradient = False
+    with pytest.raises(ValueError, match=f"{ENV_DETERMINISM_CHECK}='bogus': expected one of"):
+        paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False)
+    with pytest.raises(ValueError, match="determinism_check='shape': expected one of"):
+        paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False, determinism_check="shape")
+
+
+def test_environment_variable_reaches_paddles_own_recompute(monkeypatch):
+    """Trainers call Paddle's recompute: with enable(), the env var alone switches it on."""
+    from paddle.distributed.fleet.utils import recompute as native_recompute
+
+    monkeypatch.setenv(ENV_DETERMINISM_CHECK, "values")
+    paddle_mgrad.enable(recompute=True)
+    try:
+        fn, _ = _mutated_global()
+        x = paddle.randn([2, 8])
+        x.stop_gradient = False
+        y = native_recompute(fn, x, use_reentrant=False)
+        with pytest.raises(RecomputeError, match="has different values"):
+            y.sum().backward()
+    finally:
+        paddle_mgrad.disable()
+
+
+def test_none_skips_the_shape_check_too():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        h = paddle.tanh(x)
+        if len(calls) == 1:
+            h = paddle.tanh(h)  # the forward saves one tensor more than recomputation
+        return h.sum()
+
+    x = paddle.randn([4])
+    x.stop_gradient = False
+    y = paddle_mgrad.recompute(fn, x, use_reentrant=False, determinism_check="none")
+    try:
+        y.backward()  # no RecomputeError from the check (Paddle may still fail on its own)
+    except RecomputeError as e:
+        assert "was not reproduced" in str(e)  # the defensive error, not the check's
+    except Exception:  # noqa: BLE001
+        pass
+    paddle.framework._dygraph_tracer()._has_grad = True
+
+
+def test_fingerprints_only_for_recomputed_tensors_and_freed_with_frame(monkeypatch):
+    frames = []
+    orig_init = non_reentrant._Frame.__init__
+
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        frames.append(weakref.ref(self))
+
+    monkeypatch.setattr(non_reentrant._Frame, "__init__", init)
+    paddle.seed(2)
+    blk = Block(bias=True)
+    x = paddle.randn([3, 8])
+    x.stop_gradient = False
+    y = paddle_mgrad.recompute(blk, x, use_reentrant=False, determinism_check="values")
+    frame = frames[-1]()
+    alive = [h() for h in frame.holders]
+    kept = {h.index for h in alive if h is not None and h.kept}
+    dropped = {h.index for h in alive if h is not None and not h.kept}
+    assert kept and dropped  # parameters/x are kept, activations dropped
+    assert set(frame.prints) == dropped  # no fingerprint for kept holders
+    assert all(fp.shape == [3] and fp.dtype == paddle.float64 for _, fp in frame.prints.values())
+    del frame, alive
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert frames[-1]() is None, "the frame (and its fingerprints) outlived the graph"
+
+
+def test_fingerprint_sees_permutations_and_small_changes():
+    x = paddle.randn([64, 33])
+    base = fingerprint(x).numpy()
+    assert fingerprint_mismatch(base, fingerprint(x.clone()).numpy()) is None
+    assert fingerprint_mismatch(base, fingerprint(x.flip(0)).numpy()) is not None  # permuted
+    # two sampled elements swapped: sum, sum of squares and the sample's plain sum stay equal;
+    # only the position weights see it
+    flat = np.full([2048], 1e-3, dtype="float32")  # sample step 2: elements 0, 2, 4, ...
+    flat[0], flat[2] = 5.0, -3.0
+    swapped = flat.copy()
+    swapped[[0, 2]] = swapped[[2, 0]]
+    assert fingerprint_mismatch(fingerprint(paddle.to_tensor(flat)).numpy(),
+                                fingerprint(paddle.to_tensor(swapped)).numpy()) == 2
+    bumped = x.numpy().copy()
+    bumped[7, 3] += 0.5
+    assert fingerprint_mismatch(base, fingerprint(paddle.to_tensor(bumped)).numpy()) is not None
+    for dt in ("int64", "bool", "float64"):
+        assert fingerprint(x.astype(dt)).shape == [3]
+    nan = paddle.to_tensor([1.0, float("nan")])
+    assert fingerprint_mismatch(fingerprint(nan).numpy(), fingerprint(nan).numpy()) is None
+    assert fingerprint(paddle.zeros([0, 4])).numpy().tolist() == [0.0, 0.0, 0.0]
