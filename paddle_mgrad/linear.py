@@ -170,10 +170,11 @@ def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
 
     The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
     grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
-    plain dense tensors of one dtype the op supports, on one place, none empty;
+    plain dense tensors of one dtype the op supports, on one place (zero-size included: the
+    op handles K = 0 / N = 0 / M = 0, and main_grad still receives the gradient);
     ``weight`` 2-D, ``x`` at least 2-D, ``bias`` None or 1-D ``[N]``.  Everything
     else -- Paddle 2.6's ``linear((x,), w)`` (``recompute_sequential`` does that),
-    numpy inputs, 1-D ``x``, broadcast biases, dtype mixes, zero-size tensors --
+    numpy inputs, 1-D ``x``, broadcast biases, dtype mixes --
     is Paddle's, with Paddle's result or Paddle's error.  A mismatched ``x``/``weight``
     inner dimension stays ours: :func:`_validate` raises a ValueError naming shapes.
     """
@@ -193,7 +194,7 @@ def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
         n = weight.shape[0] if transpose_weight else weight.shape[1]
         if bias.dtype != x.dtype or list(bias.shape) != [n]:
             return True
-    if 0 in x.shape or 0 in weight.shape or not x.place._equals(weight.place):
+    if not x.place._equals(weight.place):
         return True
     return False
 
