@@ -20,7 +20,3 @@ def _clean_state():
     yield
     paddle_mgrad.disable()
 
-
-def native_bug(condition, reason):
-    """Mark a case that *unpatched* Paddle gets wrong: it must fail (strict xfail)."""
-    return pytest.mark.xfail(condition, reason=reason, strict=True)
