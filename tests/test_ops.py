@@ -16,7 +16,9 @@ from paddle_mgrad import FusedLinearError, ops
 from paddle_mgrad.ops import _reference
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
-CHUNK_ROWS = 512  # csrc/wgrad_cpu.cc kChunkRows: rows of bf16/fp16 widened per fp32 GEMM
+# Rows of bf16/fp16 widened per fp32 GEMM, forced through PADDLE_MGRAD_CPU_CHUNK_ROWS (the
+# default, a 64 MiB budget in csrc/wgrad_cpu.cc, gives one chunk for every shape tested here).
+CHUNK_ROWS = 512
 
 
 def _mp(dtype):
@@ -25,17 +27,30 @@ def _mp(dtype):
 
 
 @contextlib.contextmanager
-def _bf16_path(path):
-    """Force the CPU bf16 path (read by the C++ op on every call)."""
-    old = os.environ.get("PADDLE_MGRAD_CPU_BF16")
-    os.environ["PADDLE_MGRAD_CPU_BF16"] = path
+def _env(name, value):
+    """Set (value None: unset) an environment variable the C++ op reads on every call."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = str(value)
     try:
         yield
     finally:
         if old is None:
-            del os.environ["PADDLE_MGRAD_CPU_BF16"]
+            os.environ.pop(name, None)
         else:
-            os.environ["PADDLE_MGRAD_CPU_BF16"] = old
+            os.environ[name] = old
+
+
+def _bf16_path(path):
+    """Force the CPU bf16 path."""
+    return _env("PADDLE_MGRAD_CPU_BF16", path)
+
+
+def _chunk_rows(rows):
+    """Force the rows per widening chunk (None: the op's memory-budget default)."""
+    return _env("PADDLE_MGRAD_CPU_CHUNK_ROWS", rows)
 
 
 def test_backend_is_compiled():
@@ -82,10 +97,11 @@ def _check_close(got, want, scale, dtype_out):
     give_w=st.booleans(), give_b=st.booleans(), has_bias=st.booleans(),
     multi_precision=st.booleans(), seed=st.integers(0, 2**16),
     bf16_path=st.sampled_from(["auto", "widen", "native"]),
+    chunk_rows=st.sampled_from([None, CHUNK_ROWS, 7]),
 )
 def test_matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias,
-                                   multi_precision, seed, bf16_path):
-    with _bf16_path(bf16_path):
+                                   multi_precision, seed, bf16_path, chunk_rows):
+    with _bf16_path(bf16_path), _chunk_rows(chunk_rows):
         _matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias, multi_precision,
                                    seed)
 
@@ -228,7 +244,8 @@ CHECK = """
 
 def test_portable_cpu_path_without_onednn(tmp_path):
     """The build for machines without oneDNN (blocked OpenMP GEMM) is correct too."""
-    r = _run_isolated(CHECK, {"PADDLE_MGRAD_NO_ONEDNN": "1", "PADDLE_MGRAD_CACHE": str(tmp_path)})
+    r = _run_isolated(CHECK, {"PADDLE_MGRAD_NO_ONEDNN": "1", "PADDLE_MGRAD_CACHE": str(tmp_path),
+                              "PADDLE_MGRAD_CPU_CHUNK_ROWS": str(CHUNK_ROWS)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "BACKEND cpp-portable" in r.stdout and "OK" in r.stdout
 
@@ -430,12 +447,42 @@ def test_fresh_output_over_several_chunks(dtype, path, M, acc):
     rs = np.random.RandomState(M)
     x, dy = _t(rs.uniform(0.5, 1.0, [M, 24]), dtype), _t(rs.uniform(0.5, 1.0, [M, 40]), dtype)
     mp = acc == "float32"
-    with _bf16_path(path):
+    with _bf16_path(path), _chunk_rows(CHUNK_ROWS):
         out_w, out_b = ops.fused_linear_param_grad_add(x, dy, None, None, mp, True)
     x2, y2 = _as64(x), _as64(dy)
     out_dtype = "float32" if mp else dtype
     _check_close(out_w, x2.T @ y2, x2.T @ y2, out_dtype)
     _check_close(out_b, y2.sum(0), y2.sum(0), out_dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_default_chunking_of_a_wide_output(dtype):
+    """Without PADDLE_MGRAD_CPU_CHUNK_ROWS the op picks rows by a 64 MiB budget
+    (rows * (K + N) * 4 bytes, at least 256): K + N = 65536 gives 256-row chunks, so 600
+    rows are 3 equal chunks into a fresh accumulator, then accumulated onto it."""
+    rs = np.random.RandomState(3)
+    M, K, N = 600, 8, 65528
+    x, dy = _t(rs.uniform(0.5, 1.0, [M, K]), dtype), _t(rs.uniform(0.5, 1.0, [M, N]), dtype)
+    with _bf16_path("widen"), _chunk_rows(None):
+        out_w, _ = ops.fused_linear_param_grad_add(x, dy, None, None, True, False)
+        want = _as64(x).T @ _as64(dy)
+        _check_close(out_w, want, want, "float32")
+        ptr = out_w.data_ptr()
+        ops.fused_linear_param_grad_add(x, dy, out_w, None, True, False)
+    assert out_w.data_ptr() == ptr
+    _check_close(out_w, 2 * want, 2 * want, "float32")
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "12x", "abc"])
+def test_bad_chunk_rows_env_is_a_clear_error(value):
+    x = paddle.ones([4, 3]).astype("bfloat16")
+    with _bf16_path("widen"), _chunk_rows(value):
+        with pytest.raises(Exception, match=f"PADDLE_MGRAD_CPU_CHUNK_ROWS must be a positive "
+                                            f"integer, got '{value}'"):
+            ops.fused_linear_param_grad_add(x, x, None, None, True, False)
+    with _chunk_rows(""):  # empty: the default, like an unset variable
+        w, _ = ops.fused_linear_param_grad_add(x, x, None, None, True, False)
+    np.testing.assert_array_equal(w.numpy(), np.full([3, 3], 4.0))
 
 
 # ---------------------------------------------------------------- the C ABI (Paddle-free)
