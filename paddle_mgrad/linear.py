@@ -56,6 +56,24 @@ def _check_main_grad(p):
             "(fp32 master gradient)")
 
 
+def _stash_for_backward(ctx, x, weight, bias):
+    """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linear).
+
+    Checks every parameter that needs a gradient with :func:`_check_main_grad` -- a
+    non-fp32 ``main_grad`` fails here, in forward, with a :class:`FusedLinearError`, not
+    deep inside Paddle's backward engine -- then saves only ``x`` with
+    ``save_for_backward`` (recompute may drop it) and keeps ``weight``/``bias`` on ``ctx``
+    as the real objects, out of reach of saved-tensor hooks (module docstring).
+    """
+    for p in (weight, bias):
+        if p is not None and not p.stop_gradient:
+            _check_main_grad(p)
+    ctx.save_for_backward(x)
+    ctx.weight = weight
+    ctx.bias = bias
+    ctx.x_needs_grad = not x.stop_gradient
+
+
 def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
@@ -121,14 +139,8 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
                 y = y + bias
         else:
             y = original("linear")(x, weight, bias)
-        for p in (weight, bias):
-            if p is not None and not p.stop_gradient:
-                _check_main_grad(p)  # fail in forward, not deep inside Paddle's backward engine
-        ctx.save_for_backward(x)
-        ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
-        ctx.bias = bias
+        _stash_for_backward(ctx, x, weight, bias)
         ctx.transpose_weight = transpose_weight
-        ctx.x_needs_grad = not x.stop_gradient
         stats.bump(stats.linear, "forward")
         return y
 
