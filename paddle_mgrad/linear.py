@@ -83,8 +83,11 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
         dy = dy.astype(x.dtype)
     w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
     b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
-    if w_kind == "grad" and w_acc.dtype != paddle.float32 and w_acc.dtype != x.dtype:
-        w_acc = None  # cannot accumulate across these dtypes in place: return fresh
+    if w_kind == "grad" and ops._dtype_name(w_acc.dtype) not in ops.acc_dtypes(x.dtype, False):
+        # The op's accumulator rule (ops.acc_dtypes: the input dtype or its multi-precision
+        # type -- float64 only for float64 inputs) refuses this .grad: return a fresh
+        # gradient instead, which Paddle adds to .grad itself.
+        w_acc = None
         w_kind = "fresh"
     if w_kind == "main_grad":
         _check_main_grad(weight)
