@@ -511,6 +511,20 @@ struct AlignedBuf {  // 64-byte aligned scratch (the AVX2 kernel uses aligned lo
   ~AlignedBuf() { std::free(p); }
 };
 
+// Packs strip s of a kc x cols block of a row-major matrix (element (p, j) at
+// src[p * ld + j]): columns [s * kWidth, s * kWidth + kWidth) of every row p
+// go to dst[p * kWidth + j], zero-padded past `cols` -- B panels as kNr-wide
+// strips (ld = N), A^T blocks as kMr-wide strips (ld = K: A row m is
+// contiguous in k, so A^T's row strips are A's column strips).
+template <int kWidth>
+inline void pack_strip(const double* src, int64_t ld, int64_t kc, int64_t cols, int64_t s,
+                       double* dst) {
+  const int64_t j0 = s * kWidth, w = std::min<int64_t>(kWidth, cols - j0);
+  src += j0;
+  for (int64_t p = 0; p < kc; ++p, src += ld, dst += kWidth)
+    for (int64_t j = 0; j < kWidth; ++j) dst[j] = j < w ? src[j] : 0.0;
+}
+
 // Requires M, K, N > 0.
 std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K,
                      int64_t N, float beta) {
@@ -526,16 +540,10 @@ std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int
     const int64_t nc = std::min(kDNc, N - n0), strips = (nc + kNr - 1) / kNr;
     for (int64_t m0 = 0; m0 < M; m0 += kDc) {
       const int64_t kc = std::min(kDc, M - m0);
-      // Pack B[m0:m0+kc, n0:n0+nc] as strips [strip][p][kNr].
+      // Pack B[m0:m0+kc, n0:n0+nc] as kNr-wide strips [strip][p][kNr].
 #pragma omp parallel for schedule(static)
-      for (int64_t s = 0; s < strips; ++s) {
-        double* dst = bp.p + s * kc * kNr;
-        const int64_t j0 = n0 + s * kNr, w = std::min<int64_t>(kNr, n0 + nc - j0);
-        for (int64_t p = 0; p < kc; ++p) {
-          const double* src = B + (m0 + p) * N + j0;
-          for (int64_t j = 0; j < kNr; ++j) dst[p * kNr + j] = j < w ? src[j] : 0.0;
-        }
-      }
+      for (int64_t s = 0; s < strips; ++s)
+        pack_strip<kNr>(B + m0 * N + n0, N, kc, nc, s, bp.p + s * kc * kNr);
 #pragma omp parallel
       {
         AlignedBuf ap(static_cast<size_t>(kDMc * kc));
@@ -548,15 +556,9 @@ std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int
           if (ap.p == nullptr) continue;
           const int64_t k0 = rb * kDMc, mc = std::min(kDMc, K - k0);
           const int64_t rstrips = (mc + kMr - 1) / kMr;
-          // Pack A^T[k0:k0+mc, m0:m0+kc] as strips [strip][p][kMr] (A row m is contiguous in k).
-          for (int64_t r = 0; r < rstrips; ++r) {
-            double* dst = ap.p + r * kc * kMr;
-            const int64_t i0 = k0 + r * kMr, h = std::min<int64_t>(kMr, k0 + mc - i0);
-            for (int64_t p = 0; p < kc; ++p) {
-              const double* src = A + (m0 + p) * K + i0;
-              for (int64_t i = 0; i < kMr; ++i) dst[p * kMr + i] = i < h ? src[i] : 0.0;
-            }
-          }
+          // Pack A^T[k0:k0+mc, m0:m0+kc] (A[m0:m0+kc, k0:k0+mc]) as kMr-wide strips.
+          for (int64_t r = 0; r < rstrips; ++r)
+            pack_strip<kMr>(A + m0 * K + k0, K, kc, mc, r, ap.p + r * kc * kMr);
           for (int64_t s = 0; s < strips; ++s) {
             const int64_t j0 = n0 + s * kNr;
             const int nr = static_cast<int>(std::min<int64_t>(kNr, n0 + nc - j0));

@@ -56,6 +56,24 @@ def _check_main_grad(p):
             "(fp32 master gradient)")
 
 
+def _stash_for_backward(ctx, x, weight, bias):
+    """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linear).
+
+    Checks every parameter that needs a gradient with :func:`_check_main_grad` -- a
+    non-fp32 ``main_grad`` fails here, in forward, with a :class:`FusedLinearError`, not
+    deep inside Paddle's backward engine -- then saves only ``x`` with
+    ``save_for_backward`` (recompute may drop it) and keeps ``weight``/``bias`` on ``ctx``
+    as the real objects, out of reach of saved-tensor hooks (module docstring).
+    """
+    for p in (weight, bias):
+        if p is not None and not p.stop_gradient:
+            _check_main_grad(p)
+    ctx.save_for_backward(x)
+    ctx.weight = weight
+    ctx.bias = bias
+    ctx.x_needs_grad = not x.stop_gradient
+
+
 def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
@@ -65,8 +83,11 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
         dy = dy.astype(x.dtype)
     w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
     b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
-    if w_kind == "grad" and w_acc.dtype != paddle.float32 and w_acc.dtype != x.dtype:
-        w_acc = None  # cannot accumulate across these dtypes in place: return fresh
+    if w_kind == "grad" and ops._dtype_name(w_acc.dtype) not in ops.acc_dtypes(x.dtype, False):
+        # The op's accumulator rule (ops.acc_dtypes: the input dtype or its multi-precision
+        # type -- float64 only for float64 inputs) refuses this .grad: return a fresh
+        # gradient instead, which Paddle adds to .grad itself.
+        w_acc = None
         w_kind = "fresh"
     if w_kind == "main_grad":
         _check_main_grad(weight)
@@ -121,14 +142,8 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
                 y = y + bias
         else:
             y = original("linear")(x, weight, bias)
-        for p in (weight, bias):
-            if p is not None and not p.stop_gradient:
-                _check_main_grad(p)  # fail in forward, not deep inside Paddle's backward engine
-        ctx.save_for_backward(x)
-        ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
-        ctx.bias = bias
+        _stash_for_backward(ctx, x, weight, bias)
         ctx.transpose_weight = transpose_weight
-        ctx.x_needs_grad = not x.stop_gradient
         stats.bump(stats.linear, "forward")
         return y
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from . import stats
 from ._compat import paddle
-from .linear import _weight_and_bias_grads
+from .linear import _stash_for_backward, _weight_and_bias_grads
 from .registry import original
 
 __all__ = ["OverlapLinearWithGradAdd", "replace"]
@@ -35,11 +35,8 @@ class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
                 mp_fused_linear_param_grad_add, model_parallel_group):
-        ctx.save_for_backward(x)
-        ctx.weight = weight  # the real objects, out of reach of saved-tensor hooks
-        ctx.bias = bias
+        _stash_for_backward(ctx, x, weight, bias)  # main_grad checked here, as in our linear
         ctx.group = model_parallel_group
-        ctx.x_needs_grad = not x.stop_gradient
         stats.bump(stats.linear, "overlap_forward")
         if fuse_matmul_bias:
             return paddle._legacy_C_ops.fused_gemm_epilogue(x, weight, bias)

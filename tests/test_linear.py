@@ -316,3 +316,56 @@ def test_non_fp32_main_grad_is_refused(which, when):
         y.sum().backward()
     paddle.framework._dygraph_tracer()._has_grad = True  # a failed backward leaves grad off
     assert bad.astype("float32").abs().sum().item() == 0  # nothing was written into it
+
+
+# (input dtype, .grad dtype, accumulated in place?): the op's accumulator rule
+# (ops.acc_dtypes(dtype, multi_precision=False)) -- the input dtype or its multi-precision type,
+# which is float32 except for float64 inputs (float64, Paddle's MPTypeTrait<double>).
+_GRAD_CASES = [
+    ("float32", "float32", True), ("bfloat16", "bfloat16", True), ("bfloat16", "float32", True),
+    ("float16", "float16", True), ("float16", "float32", True), ("float64", "float64", True),
+    ("float32", "bfloat16", False), ("float32", "float64", False), ("bfloat16", "float16", False),
+    ("float16", "bfloat16", False), ("bfloat16", "float64", False), ("float64", "float32", False),
+]
+
+
+@pytest.mark.parametrize("x_dtype,grad_dtype,in_place", _GRAD_CASES,
+                         ids=[f"{a}-{b}" for a, b, _ in _GRAD_CASES])
+def test_grad_accumulator_dtype_rule(x_dtype, grad_dtype, in_place):
+    """Without main_grad, an existing .grad is accumulated in place (same data_ptr, beta = 1)
+    when the op's accumulator rule allows its dtype; otherwise the gradient comes back fresh in
+    the parameter's dtype and .grad is left alone (float64 inputs with a float32 .grad included:
+    the op accumulates float64 only in float64)."""
+    from paddle_mgrad.linear import _weight_and_bias_grads
+
+    rs = np.random.RandomState(5)
+    x = paddle.to_tensor(rs.standard_normal((7, 5))).astype(x_dtype)
+    dy = paddle.to_tensor(rs.standard_normal((7, 3))).astype(x_dtype)
+    g0 = paddle.to_tensor(rs.standard_normal((5, 3))).astype(grad_dtype)
+
+    class P:  # a stand-in parameter (Paddle ties .grad's dtype to the parameter's)
+        stop_gradient = False
+        dtype = x.dtype
+        name = "p"
+        grad = g0
+
+    ptr = g0.data_ptr()
+    g0_64 = g0.astype("float64").numpy()
+    want = x.astype("float64").numpy().T @ dy.astype("float64").numpy()
+    with paddle.no_grad():
+        out_w, out_b = _weight_and_bias_grads(x, dy, P, None, False)
+    assert out_b is None
+    tol = 1e-12 if "float64" in (x_dtype, grad_dtype) and in_place else 1e-5
+    if in_place:
+        assert out_w is None and P.grad.data_ptr() == ptr
+        got, want = P.grad.astype("float64").numpy(), g0_64 + want
+        if grad_dtype in ("bfloat16", "float16"):
+            tol = 2e-2
+    else:
+        assert out_w is not None and out_w.dtype == x.dtype
+        assert P.grad.data_ptr() == ptr
+        np.testing.assert_array_equal(P.grad.astype("float64").numpy(), g0_64)  # untouched
+        got = out_w.astype("float64").numpy()
+        if x_dtype in ("bfloat16", "float16"):
+            tol = 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)

@@ -397,6 +397,33 @@ def test_float64_across_gemm_blocks(M, K, N, given):
     np.testing.assert_allclose(out_b.numpy(), start_b + yn.sum(0), rtol=1e-12, atol=1e-12)
 
 
+# M (reduction, 256-deep slices), K (rows of C: 96-row blocks, 6-row strips), N (columns of C:
+# 1024-wide panels, 8-column strips); none a multiple of any block: every last slice, block,
+# panel and strip is ragged (M=259: a 3-deep slice; K=97: a 1-row block; N=1030: a 6-wide
+# panel, 513/203/1043: 1-deep slice, 11-row block = 6 + 5, 19-wide panel = 8 + 8 + 3).
+@pytest.mark.parametrize("M,K,N", [(259, 97, 1030), (513, 203, 1043), (7, 5, 3)])
+@pytest.mark.parametrize("given", [False, True], ids=["fresh", "in_place"])
+def test_float64_packing_edges(M, K, N, given):
+    """fp64 GEMM strip packing at every ragged edge, against float64 numpy: each C entry is
+    checked (an edge row or column lost or shifted in packing shows), in place or fresh."""
+    rs = np.random.RandomState(M * K + N)
+    xn = rs.uniform(0.5, 1.5, [M, K]) * rs.choice([-1.0, 1.0], [M, K])
+    yn = rs.uniform(0.5, 1.5, [M, N]) * rs.choice([-1.0, 1.0], [M, N])
+    w0 = rs.standard_normal([K, N])
+    dw = paddle.to_tensor(w0) if given else None
+    ptr = dw.data_ptr() if given else None
+    out_w, _ = ops.fused_linear_param_grad_add(paddle.to_tensor(xn), paddle.to_tensor(yn), dw,
+                                               None, False, False)
+    assert out_w.dtype == paddle.float64 and list(out_w.shape) == [K, N]
+    if given:
+        assert out_w is dw and out_w.data_ptr() == ptr
+    want = (w0 if given else 0.0) + xn.T @ yn
+    bound = 1e-13 * (np.abs(xn).T @ np.abs(yn) + (np.abs(w0) if given else 0.0) + 1)
+    err = np.abs(out_w.numpy() - want)
+    bad = np.argwhere(err > bound)
+    assert bad.size == 0, f"{len(bad)} wrong entries of C [{K}, {N}], first at {bad[:5].tolist()}"
+
+
 @pytest.mark.parametrize("transpose_weight", [False, True])
 def test_fused_linear_float64_matches_autograd(transpose_weight):
     """float64 parameters through the fused linear: x, weight and bias gradients equal plain

@@ -115,3 +115,26 @@ def test_native_fused_gradadd_on_cpu():
                        r"|^\(External\) $|fused_linear_param_grad_add` is not registered"):
         _apply(mp_layers.InnerOverlapLinear, x, layer, True).sum().backward()
     assert layer.weight.main_grad is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_non_fp32_main_grad_is_refused_in_forward(reduced, which, dtype):
+    """A low-precision main_grad on the overlap path: a FusedLinearError from FORWARD naming
+    the parameter, its shape and dtype (as our linear does), not an OSError out of Paddle's
+    backward engine; nothing is computed, nothing all-reduced, the bad main_grad untouched."""
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    layer = paddle.nn.Linear(8, 6)
+    MixPrecisionLayer(layer, dtype="bfloat16")
+    p = getattr(layer, which)
+    bad = paddle.zeros(p.shape).astype(dtype)
+    p.main_grad = bad
+    x = paddle.randn([3, 8])
+    x.stop_gradient = False
+    stats.reset()
+    pattern = (rf"^{p.name}\.main_grad is paddle\.{dtype} \[{', '.join(map(str, p.shape))}\], "
+               r"expected float32")
+    with pytest.raises(paddle_mgrad.FusedLinearError, match=pattern):
+        _apply(mp_layers.InnerOverlapLinear, x, layer, True)
+    assert stats.linear["overlap_forward"] == 0 and not reduced
+    assert bad.astype("float32").abs().sum().item() == 0
