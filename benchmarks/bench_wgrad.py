@@ -99,7 +99,13 @@ def main():
                     help="skip the forced oneDNN-bf16 path (slow on CPUs without native bf16)")
     ap.add_argument("--no-unfused", action="store_true", help="skip Paddle's unfused path")
     ap.add_argument("--fp64", action="store_true", help="also time float64 against numpy dgemm")
+    ap.add_argument("--allow-fallback", action="store_true",
+                    help="time the pure-Paddle fallback when the C++ op did not build")
     args = ap.parse_args()
+    if not ops.backend().startswith("cpp-") and not args.allow_fallback:
+        # the figures would be Paddle's matmul labelled as ours
+        raise SystemExit(f"the C++ op is not in use (backend {ops.backend()}: "
+                         f"{ops.fallback_reason()}); pass --allow-fallback to time it anyway")
     info = ops.cpu_info()
     print(f"CPU {cpu_model()}; ISA: {info['isa']}; native bf16: {info['native_bf16']}; "
           f"bf16 path chosen at run time: {info['bf16_path']}")
