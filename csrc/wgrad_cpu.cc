@@ -496,7 +496,11 @@ __attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a,
 }
 #endif
 
+// By the CPU at run time; PADDLE_MGRAD_CPU_FP64_KERNEL=generic forces the portable
+// kernel (what CPUs without AVX2+FMA run), so tests on any machine cover both.
 MicroKernel pick_dgemm_kernel() {
+  const char* env = std::getenv("PADDLE_MGRAD_CPU_FP64_KERNEL");
+  if (env != nullptr && std::strcmp(env, "generic") == 0) return micro_generic;
 #ifdef PMG_X86
   if (isa().avx2 && isa().fma) return micro_avx2;
 #endif

@@ -403,9 +403,16 @@ def test_float64_across_gemm_blocks(M, K, N, given):
 # panel, 513/203/1043: 1-deep slice, 11-row block = 6 + 5, 19-wide panel = 8 + 8 + 3).
 @pytest.mark.parametrize("M,K,N", [(259, 97, 1030), (513, 203, 1043), (7, 5, 3)])
 @pytest.mark.parametrize("given", [False, True], ids=["fresh", "in_place"])
-def test_float64_packing_edges(M, K, N, given):
+@pytest.mark.parametrize("kernel", [None, "generic"], ids=["cpu_kernel", "generic_kernel"])
+def test_float64_packing_edges(M, K, N, given, kernel):
     """fp64 GEMM strip packing at every ragged edge, against float64 numpy: each C entry is
-    checked (an edge row or column lost or shifted in packing shows), in place or fresh."""
+    checked (an edge row or column lost or shifted in packing shows), in place or fresh, with
+    the micro-kernel this CPU picks and with the portable one (PADDLE_MGRAD_CPU_FP64_KERNEL)."""
+    with _env("PADDLE_MGRAD_CPU_FP64_KERNEL", kernel):
+        _float64_packing_edges(M, K, N, given)
+
+
+def _float64_packing_edges(M, K, N, given):
     rs = np.random.RandomState(M * K + N)
     xn = rs.uniform(0.5, 1.5, [M, K]) * rs.choice([-1.0, 1.0], [M, K])
     yn = rs.uniform(0.5, 1.5, [M, N]) * rs.choice([-1.0, 1.0], [M, N])
