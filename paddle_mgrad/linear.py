@@ -20,7 +20,7 @@ Holding the parameter costs nothing: the model holds it anyway.
 """
 from __future__ import annotations
 
-from . import ops, stats
+from . import backward_errors, ops, stats
 from ._compat import is_tensor, paddle, tracer
 from .errors import FusedLinearError
 from .registry import original
@@ -68,6 +68,7 @@ def _stash_for_backward(ctx, x, weight, bias):
     for p in (weight, bias):
         if p is not None and not p.stop_gradient:
             _check_main_grad(p)
+    backward_errors.install()  # a FusedLinearError in backward keeps its type
     ctx.save_for_backward(x)
     ctx.weight = weight
     ctx.bias = bias
@@ -75,7 +76,19 @@ def _stash_for_backward(ctx, x, weight, bias):
 
 
 def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
-    """Run the fused op once for weight (and bias); returns grads to hand to Paddle."""
+    """Run the fused op once for weight (and bias); returns grads to hand to Paddle.
+
+    Runs in backward: a :class:`FusedLinearError` (say, a ``main_grad`` swapped for one of
+    another shape after the forward) is recorded so that it reaches the caller of
+    ``backward()`` as itself, not as Paddle's ``OSError`` (:mod:`.backward_errors`)."""
+    try:
+        return _fused_grads(x, dy, weight, bias, transpose_weight)
+    except FusedLinearError as e:
+        backward_errors.record(e)
+        raise
+
+
+def _fused_grads(x, dy, weight, bias, transpose_weight):
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
         return None, None

@@ -96,12 +96,13 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         optional=True),
     Replacement(
         "Tensor.backward", "support", "paddle", "Tensor.backward",
-        "attr", "paddle_mgrad.recomputation.backward_errors:wrap",
-        "Paddle's backward engine turns a RecomputeError raised in recomputation into OSError "
-        "and leaves grad mode off; the wrapper re-raises ours and restores grad mode."),
+        "attr", "paddle_mgrad.backward_errors:wrap",
+        "Paddle's backward engine turns a RecomputeError (recomputation) or FusedLinearError "
+        "(fused linear backward) into OSError and leaves grad mode off; the wrapper re-raises "
+        "ours and restores grad mode."),
     Replacement(
         "autograd.backward", "support", "paddle.autograd", "backward",
-        "attr", "paddle_mgrad.recomputation.backward_errors:wrap",
+        "attr", "paddle_mgrad.backward_errors:wrap",
         "As Tensor.backward, for paddle.autograd.backward."),
     Replacement(
         "_C_ops.fused_linear_param_grad_add", "fused_linear", "paddle._C_ops",

@@ -296,7 +296,8 @@ def test_incubate_transpose_weight_dx(bias, n):
 def test_non_fp32_main_grad_is_refused(which, when):
     """A bf16 main_grad is not an fp32 master gradient: a FusedLinearError naming the
     parameter and the dtype (in forward when it is already there; from backward when it
-    was set after the forward -- Paddle's engine wraps that one in OSError)."""
+    was set after the forward -- as itself, not as the OSError Paddle's engine makes of it,
+    and with grad mode back on)."""
     w = paddle.create_parameter([5, 3], "float32")
     b = paddle.create_parameter([3], "float32", is_bias=True)
     w.main_grad = None
@@ -310,12 +311,28 @@ def test_non_fp32_main_grad_is_refused(which, when):
         with pytest.raises(FusedLinearError, match=pattern):
             fused_linear(x, w, b)
         return
-    y = fused_linear(x, w, b)
-    p.main_grad = bad
-    with pytest.raises((FusedLinearError, OSError), match=pattern):
+    for run_backward in (lambda y: y.sum().backward(),
+                         lambda y: paddle.autograd.backward([y.sum()])):
+        y = fused_linear(x, w, b)
+        p.main_grad = bad
+        with pytest.raises(FusedLinearError, match=pattern) as info:
+            run_backward(y)
+        assert isinstance(info.value.__cause__, OSError)  # Paddle's, chained
+        assert paddle.is_grad_enabled()  # Paddle leaves it off after a failed backward
+        assert bad.astype("float32").abs().sum().item() == 0  # nothing was written into it
+        p.main_grad = None
+
+
+def test_main_grad_of_another_shape_set_after_forward():
+    """main_grad replaced between forward and backward by a float32 tensor of the wrong
+    shape: the op's FusedLinearError (naming both shapes) reaches the caller of backward."""
+    w = paddle.create_parameter([5, 3], "float32")
+    w.main_grad = None
+    y = fused_linear(paddle.randn([2, 5]), w, None)
+    w.main_grad = paddle.zeros([3, 5])
+    with pytest.raises(FusedLinearError, match=r"\[3, 5\].*\[5, 3\]|\[5, 3\].*\[3, 5\]"):
         y.sum().backward()
-    paddle.framework._dygraph_tracer()._has_grad = True  # a failed backward leaves grad off
-    assert bad.astype("float32").abs().sum().item() == 0  # nothing was written into it
+    assert paddle.is_grad_enabled()
 
 
 # (input dtype, .grad dtype, accumulated in place?): the op's accumulator rule

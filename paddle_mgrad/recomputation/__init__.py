@@ -11,8 +11,6 @@ Where things are:
 * :mod:`.rng`, :mod:`.amp` -- capture in forward, replay in recomputation;
 * :mod:`.saved_hooks` -- a stack of saved-tensor hook pairs (nesting) and the
   Paddle 2.6 ``save_for_backward(..., None)`` shim;
-* :mod:`.backward_errors` -- delivers :class:`~paddle_mgrad.RecomputeError` out of
-  Paddle's backward engine with its own type;
 * :mod:`.tensors` -- small helpers shared by both implementations.
 """
 from ..errors import RecomputeError
