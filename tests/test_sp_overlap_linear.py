@@ -148,7 +148,8 @@ def test_native_fused_gradadd_on_cpu(comm):
     x.stop_gradient = False
     # 3.3's backward engine may report only "(External)"; a CUDA wheel has the op but no
     # CPU kernel ("... fused_linear_param_grad_add` is not registered")
-    with pytest.raises(Exception, match=r"NotImplementedError: You set mp_fused_linear_param_grad_add"
+    with pytest.raises(Exception,
+                       match=r"NotImplementedError: You set mp_fused_linear_param_grad_add"
                        r"|^\(External\) |fused_linear_param_grad_add` is not registered"):
         _apply(x, layer, fused_gradadd=True).sum().backward()
     assert layer.weight.main_grad is None
