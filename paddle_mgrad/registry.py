@@ -89,6 +89,15 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "accumulates them in place into fp32 main_grad through our op, dx all-reduce kept async.",
         optional=True),
     Replacement(
+        "SPInnerOverlapLinear", "fused_linear",
+        "paddle.distributed.fleet.utils.sequence_parallel_utils", "SPInnerOverlapLinear", "attr",
+        "paddle_mgrad.sp_overlap_linear:replace",
+        "ColumnSequenceParallelLinear with sp_async_reduce_scatter (Paddle 3.x) runs this "
+        "PyLayer, which saves weight/bias with save_for_backward and computes dW/db itself (or "
+        "refuses mp_fused_linear_param_grad_add off CUDA/XPU builds); ours accumulates them in "
+        "place into fp32 main_grad through our op, dx reduce-scatter kept async.",
+        optional=True),
+    Replacement(
         "varbase_help", "fused_linear", "paddle.distributed.fleet.recompute.recompute",
         "_varbase_help", "code", "paddle_mgrad.linear:_paddle_varbase_help_trampoline",
         "Paddle 2.6's reentrant recompute re-creates parameter arguments as copies; tag each copy "

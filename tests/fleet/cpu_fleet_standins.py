@@ -145,7 +145,36 @@ def sp_all_gather(input):
 
 
 def sp_reduce_scatter(input):
-    group = _mp_group(None)
+    return sp_reduce_scatter_in(input, _mp_group(None))
+
+
+# Paddle 3.x: SPInnerOverlapLinear (``mp_configs.sp_async_reduce_scatter``) reduce-scatters dx
+# with ``dist.stream.reduce_scatter(out, in, sync_op=False)``; gloo has no reduce_scatter.  Same
+# math (sum over the group, this rank's rows of dim 0) written in place into ``out``; the
+# returned task is already complete.  Other callers (a tensor list, another op) get Paddle's.
+class _DoneTask:
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_paddle_stream_reduce_scatter = []
+
+
+def stream_reduce_scatter(tensor, tensor_or_tensor_list, op=dist.ReduceOp.SUM, group=None,
+                          sync_op=True, use_calc_stream=False):
+    if not isinstance(tensor_or_tensor_list, paddle.Tensor) or op != dist.ReduceOp.SUM:
+        return _paddle_stream_reduce_scatter[0](tensor, tensor_or_tensor_list, op, group,
+                                                sync_op, use_calc_stream)
+    group = _mp_group(group)
+    part = sp_reduce_scatter_in(tensor_or_tensor_list, group)
+    paddle.assign(part, output=tensor)
+    return _DoneTask()
+
+
+def sp_reduce_scatter_in(input, group):
     full = _all_reduce(input, group)
     n = input.shape[0] // group.nranks
     r = _rank(group)
@@ -206,6 +235,10 @@ def install(pipeline: bool = False):
     sequence_parallel_utils.all_gather = sp_all_gather
     sequence_parallel_utils.reduce_scatter = sp_reduce_scatter
     _replace_everywhere(hybrid_parallel_util.broadcast_input_data, broadcast_input_data)
+    stream = getattr(dist, "stream", None)  # SPInnerOverlapLinear calls dist.stream.reduce_scatter
+    if stream is not None and hasattr(stream, "reduce_scatter"):
+        _paddle_stream_reduce_scatter.append(stream.reduce_scatter)
+        stream.reduce_scatter = stream_reduce_scatter
     if pipeline:
         # Paddle: ParallelEnv sets `_device_id` only for GPU/XPU/custom devices, and
         # PipelineLayer.__init__ reads `ParallelEnv().device_id` (AttributeError on CPU).

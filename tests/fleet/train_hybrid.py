@@ -45,6 +45,14 @@ CONFIGS = {
     "tp2_fused_gradadd": ("llama", {"mp_degree": 2},
                           {"mp_async_allreduce": True, "mp_fused_linear_param_grad_add": True},
                           False),
+    # Paddle 3.x: ColumnSequenceParallelLinear runs SPInnerOverlapLinear (dx reduce-scatter
+    # overlapped with dW); its fused-grad-add path needs mp_async_allreduce as well; the
+    # second config also re-gathers the input in backward (recompute_allgather)
+    "tp2_sp_overlap": ("llama", {"mp_degree": 2}, {"sp_async_reduce_scatter": True}, True),
+    "tp2_sp_overlap_fused": ("llama", {"mp_degree": 2},
+                             {"sp_async_reduce_scatter": True, "mp_async_allreduce": True,
+                              "mp_fused_linear_param_grad_add": True,
+                              "recompute_allgather": True}, True),
     "sharding1": ("llama", {"sharding_degree": 2}, {}, False),
     "pp2": ("llama_pipe", {"pp_degree": 2}, {}, False),
     "pp2_interval": ("toy_pipe", {"pp_degree": 2}, {}, False),
@@ -145,6 +153,14 @@ def main_grads(model, names):
         out[names[p.name]] = (None if mg is None else mg.numpy().copy(), str(mg.dtype) if mg is not None else None,
                               p.grad is not None)
     return out
+
+
+def sp_overlap_class():
+    """What ColumnSequenceParallelLinear runs with sp_async_reduce_scatter (None: Paddle 2.6)."""
+    from paddle.distributed.fleet.utils import sequence_parallel_utils
+
+    cls = getattr(sequence_parallel_utils, "SPInnerOverlapLinear", None)
+    return None if cls is None else cls.__name__
 
 
 def write(path, obj):
@@ -345,6 +361,7 @@ def run_distributed(name, out, ref_dir):
         "linear_weights": sorted(linear_layers), "fused_params": fused,
         "layer_types": sorted({type(layer).__name__ for layer in model.sublayers()}),
         "recompute": snap["recompute"], "linear": snap["linear"],
+        "paddle_c_ops": snap["paddle_c_ops"], "sp_overlap_class": sp_overlap_class(),
         "audit": audit.summary(),
     }
     result["audit"].pop("fused_names", None)
