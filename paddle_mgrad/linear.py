@@ -56,6 +56,13 @@ def _check_main_grad(p):
             "(fp32 master gradient)")
 
 
+def _check_main_grads(weight, bias):
+    """:func:`_check_main_grad` for each of ``weight``/``bias`` that needs a gradient."""
+    for p in (weight, bias):
+        if p is not None and not p.stop_gradient:
+            _check_main_grad(p)
+
+
 def _stash_for_backward(ctx, x, weight, bias):
     """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linear).
 
@@ -65,9 +72,7 @@ def _stash_for_backward(ctx, x, weight, bias):
     ``save_for_backward`` (recompute may drop it) and keeps ``weight``/``bias`` on ``ctx``
     as the real objects, out of reach of saved-tensor hooks (module docstring).
     """
-    for p in (weight, bias):
-        if p is not None and not p.stop_gradient:
-            _check_main_grad(p)
+    _check_main_grads(weight, bias)
     backward_errors.install()  # a FusedLinearError in backward keeps its type
     ctx.save_for_backward(x)
     ctx.weight = weight

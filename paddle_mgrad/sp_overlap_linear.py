@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from . import stats
 from ._compat import paddle
-from .linear import _check_main_grad, _weight_and_bias_grads
+from .linear import _check_main_grads, _stash_for_backward, _weight_and_bias_grads
 from .registry import original
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]
@@ -45,15 +45,12 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather,
                 mp_fused_linear_param_grad_add, model_parallel_group):
-        for p in (weight, bias):  # main_grad checked here, in forward, as in our linear
-            if p is not None and not p.stop_gradient:
-                _check_main_grad(p)
+        _check_main_grads(weight, bias)  # before the all-gather: no collective on bad input
         input_parallel = _sp_utils().all_gather(x)
         # what backward's dW needs: the gathered input, or (recompute_allgather) x alone
-        ctx.save_for_backward(x if recompute_allgather else input_parallel)
-        ctx.recompute_allgather = recompute_allgather
-        ctx.weight, ctx.bias = weight, bias
+        _stash_for_backward(ctx, x if recompute_allgather else input_parallel, weight, bias)
         ctx.x_needs_grad = not x.stop_gradient
+        ctx.recompute_allgather = recompute_allgather
         ctx.group = model_parallel_group
         stats.bump(stats.linear, "sp_overlap_forward")
         if fuse_matmul_bias:
