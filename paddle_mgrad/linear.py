@@ -64,7 +64,7 @@ def _check_main_grads(weight, bias):
 
 
 def _stash_for_backward(ctx, x, weight, bias):
-    """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linear).
+    """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linears).
 
     Checks every parameter that needs a gradient with :func:`_check_main_grad` -- a
     non-fp32 ``main_grad`` fails here, in forward, with a :class:`FusedLinearError`, not
