@@ -49,17 +49,28 @@ class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
         stats.bump(stats.linear, "overlap_backward")
         dx = task = None
         if ctx.x_needs_grad:
-            w = weight if weight.dtype == dy.dtype else paddle.cast(weight, dy.dtype)
-            dx = paddle.matmul(dy, w, transpose_y=True)
+            dx = input_grad(dy, weight)
             # the column-parallel input gradient: summed over the group while dW runs
             task = paddle.distributed.all_reduce(dx, group=ctx.group, sync_op=False)
-        with paddle.no_grad():
-            dw, db = _weight_and_bias_grads(x, dy, weight, bias, False)
-        if task is not None and hasattr(task, "wait"):
-            task.wait()
-        if bias is None:
-            return dx, dw
-        return dx, dw, db
+        return grads_while(task, dx, x, dy, weight, bias)
+
+
+def input_grad(dy, weight):
+    """``dy · weightᵀ`` in ``dy``'s dtype (the input gradient of a ``[K, N]`` weight)."""
+    w = weight if weight.dtype == dy.dtype else paddle.cast(weight, dy.dtype)
+    return paddle.matmul(dy, w, transpose_y=True)
+
+
+def grads_while(task, dx, x, dy, weight, bias):
+    """The end of an overlapped backward (both overlap linears): dW/db through our op while
+    ``task`` (dx's collective) runs, then wait for it; returns what the PyLayer returns."""
+    with paddle.no_grad():
+        dw, db = _weight_and_bias_grads(x, dy, weight, bias, False)
+    if task is not None and hasattr(task, "wait"):
+        task.wait()
+    if bias is None:
+        return dx, dw
+    return dx, dw, db
 
 
 def replace(original_class):

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from . import stats
 from ._compat import paddle
-from .linear import _check_main_grads, _stash_for_backward, _weight_and_bias_grads
+from .linear import _check_main_grads, _stash_for_backward
+from .overlap_linear import grads_while, input_grad
 from .registry import original
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]
@@ -74,8 +75,7 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
             input_parallel = saved
         dx = task = None
         if ctx.x_needs_grad:
-            w = weight if weight.dtype == dy.dtype else paddle.cast(weight, dy.dtype)
-            dinput_parallel = paddle.matmul(dy, w, transpose_y=True)
+            dinput_parallel = input_grad(dy, weight)
             if gather_task is not None:  # as Paddle: one collective in flight at a time
                 gather_task.wait()
                 gather_task = None
@@ -92,13 +92,7 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
                 sync_op=False)
         if gather_task is not None:
             gather_task.wait()
-        with paddle.no_grad():
-            dw, db = _weight_and_bias_grads(input_parallel, dy, weight, bias, False)
-        if task is not None and hasattr(task, "wait"):
-            task.wait()
-        if bias is None:
-            return dx, dw
-        return dx, dw, db
+        return grads_while(task, dx, input_parallel, dy, weight, bias)
 
 
 def replace(original_class):
