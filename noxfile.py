@@ -7,8 +7,12 @@
     nox -s fleet                         # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
+With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
+it succeeds, so the disk holds one at a time (all of them together take ~13 GB).
 """
+import functools
 import os
+import shutil
 
 import nox
 
@@ -28,6 +32,23 @@ ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
        "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
 
 
+def _frees_venv(fn):
+    """A session that deletes its virtualenv after it succeeds when PADDLE_MGRAD_NOX_FREE_VENVS=1.
+
+    Why: CI machines share a disk whose free space varies (a run died with "No space left on
+    device" after ~3 GB); the largest venv (paddlepaddle-gpu + cuBLAS) is ~3.7 GB, all of them
+    ~13 GB.  A failed session keeps its venv for inspection (CI stops there anyway)."""
+    @functools.wraps(fn)
+    def run(session, *args, **kwargs):
+        fn(session, *args, **kwargs)
+        if os.environ.get("PADDLE_MGRAD_NOX_FREE_VENVS") == "1":
+            location = getattr(session.virtualenv, "location", None)
+            if location and os.path.isdir(location):
+                session.log(f"freeing {location}")
+                shutil.rmtree(location, ignore_errors=True)
+    return run
+
+
 def _install(session, paddle_version, extra=()):
     session.install(*PADDLE_PINS[paddle_version], *TEST_DEPS, *extra)
     # Not editable: the tests run against the installed package (csrc shipped inside).
@@ -36,6 +57,7 @@ def _install(session, paddle_version, extra=()):
 
 @nox.session
 @nox.parametrize("paddle", list(PADDLE_PINS))
+@_frees_venv
 def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
@@ -45,6 +67,7 @@ def tests(session, paddle):
 
 @nox.session
 @nox.parametrize("paddle", list(PADDLE_PINS))
+@_frees_venv
 def nlp(session, paddle):
     """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
     _install(session, paddle, NLP_PINS)
@@ -54,6 +77,7 @@ def nlp(session, paddle):
 
 @nox.session
 @nox.parametrize("paddle", list(PADDLE_PINS))
+@_frees_venv
 def fleet(session, paddle):
     """Fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP, TP2+mp_async_allreduce,
     TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter (3.x, with and without
@@ -74,6 +98,7 @@ GPU_PADDLE = ["paddlepaddle-gpu==2.6.2", "numpy<2", "protobuf<5"]
 
 
 @nox.session
+@_frees_venv
 def cuda_compile(session):
     """nvcc-compile the CUDA core (sm_80, sm_90, PTX), link and load it (its CUDA entry point
     must fail cleanly without a GPU), and syntax-check the Paddle binding's CUDA branch, all with
@@ -88,6 +113,7 @@ def cuda_compile(session):
 
 
 @nox.session
+@_frees_venv
 def gpu_wheel(session):
     """The user's path on paddlepaddle-gpu 2.6.2 (no GPU needed): pip-install paddle_mgrad (not
     editable); without cuBLASLt the first use builds the CPU C++ op and warns once (what is
@@ -121,6 +147,7 @@ def gpu_wheel(session):
 
 
 @nox.session
+@_frees_venv
 def demo(session):
     """Main job: train the tiny llama with every flag on (Paddle 3.3.1, CPU)."""
     _install(session, "3.3.1", NLP_PINS)
