@@ -56,7 +56,10 @@ def run_script(tmp_path, name, flags, mode, nproc=1, timeout=900):
     out_dir = tmp_path / name
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # faulthandler + glibc's fatal messages on stderr: a rank once died of SIGABRT at exit with
+    # nothing in its log (rare, under CPU load); if it recurs the log says where.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+               LIBC_FATAL_STDERR_="1")
     script = [SCRIPT]
     if mode == "mgrad":
         pth_dir = tmp_path / "pth"
