@@ -102,6 +102,15 @@ def audit(out_dir):
         return json.load(f)
 
 
+def recompute_config(out_dir):
+    with open(out_dir / "run_info.json") as f:
+        return json.load(f)
+
+
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+                  "recompute_num_layers": 1, "recompute_use_reentrant": False}
+
+
 def params(out_dir):
     return {k: v.numpy() for k, v in paddle.load(str(out_dir / "params.pdparams")).items()}
 
@@ -145,6 +154,7 @@ def test_trainer_every_flag_with_paddle_mgrad_matches_plain(tmp_path, plain_run)
     lines = [ln for ln in out.splitlines() if re.match(r"(\[rank \d+\] )?paddle_mgrad: ", ln)]
     assert len(lines) == 1 and "recompute, fused_linear on (op: cpp-" in lines[0], lines
     compare(on, plain_run, "PaddleFormers Trainer, every flag, PADDLE_MGRAD=all vs plain")
+    assert recompute_config(on) == FULL_RECOMPUTE
     a = audit(on)
     check_main_grad(a)
     s = a["audit"]
@@ -170,6 +180,7 @@ def test_trainer_every_flag_plain_paddle(tmp_path, plain_run):
     assert rc == 0, out[-5000:]
     assert "paddle_mgrad: " not in out
     compare(flags, plain_run, "PaddleFormers Trainer, every flag, plain Paddle vs plain")
+    assert recompute_config(flags) == FULL_RECOMPUTE  # what makes llama call fleet's recompute
     a = audit(flags)
     check_main_grad(a)
     assert a["audit"]["fused_linear_params"] == 0

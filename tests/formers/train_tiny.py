@@ -97,6 +97,9 @@ def main(argv=None):
     trainer.train()
     trainer.save_model(args.output_dir)
     paddle.save(model.state_dict(), f"{args.output_dir}/params.pdparams")  # for the comparison
+    with open(f"{args.output_dir}/run_info.json", "w") as f:  # what the model ran with
+        json.dump({k: getattr(config, k) for k in ("recompute_granularity", "recompute_method",
+                   "recompute_num_layers", "recompute_use_reentrant")}, f)
 
 
 if __name__ == "__main__":
