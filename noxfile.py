@@ -5,6 +5,7 @@
     nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
     nox -s fleet                         # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
+    nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
@@ -26,6 +27,9 @@ PADDLE_PINS = {
 }
 NLP_PINS = ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26", "datasets<3",
             "pyarrow<19", "tqdm"]
+# PaddleFormers 1.2.0 resolves datasets 5.x -> pyarrow>=24 (numpy>=2), while its fast_dataindex
+# pins numpy<=1.26.4: "pyarrow requires NumPy 2.0 or newer" at import.  These make it import.
+FORMERS_PINS = ["paddleformers==1.2.0", "datasets>=3,<4", "pyarrow<19"]
 TEST_DEPS = ["pytest>=7", "hypothesis>=6", "wheel", "setuptools"]
 # Equal thread counts everywhere (Paddle forces 1 at import unless set).
 ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
@@ -62,7 +66,7 @@ def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                "--ignore=tests/fleet", *session.posargs, env=ENV)
+                "--ignore=tests/fleet", "--ignore=tests/formers", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -85,6 +89,16 @@ def fleet(session, paddle):
     against a one-process run, PaddleNLP 2.8.1's tiny llama."""
     _install(session, paddle, NLP_PINS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet", *session.posargs,
+                env=ENV)
+
+
+@nox.session
+@_frees_venv
+def formers(session):
+    """PaddleFormers 1.2.0 (Paddle 3.x users' trainer): its own Trainer/TrainingArguments and a
+    tiny llama with amp_master_grad + full recompute, PADDLE_MGRAD=all against plain Paddle."""
+    _install(session, "3.3.1", FORMERS_PINS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/formers", *session.posargs,
                 env=ENV)
 
 
@@ -141,7 +155,7 @@ def gpu_wheel(session):
     # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                "--ignore=tests/fleet", "--deselect",
+                "--ignore=tests/fleet", "--ignore=tests/formers", "--deselect",
                 "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
                 *session.posargs, env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
 

@@ -1,0 +1,215 @@
+"""PaddleFormers 1.2.0 (PaddleNLP's successor, what Paddle 3.x users train with): its own
+``Trainer`` and ``TrainingArguments`` and a tiny ``LlamaForCausalLM`` built from its config
+(tests/formers/train_tiny.py, nothing in it mentions paddle_mgrad), 2 steps x 2 accumulation
+on CPU with every master-grad/recompute flag PaddleFormers has.  ``PADDLE_MGRAD=all`` alone
+switches paddle_mgrad on; losses and parameters equal a plain run (no flags, no paddle_mgrad);
+every trainable parameter's gradient lands in fp32 ``main_grad`` exactly once per micro-step,
+every ``nn.Linear`` weight through our op, every recompute PaddleFormers does through ours.
+
+What PaddleFormers 1.2.0 does with the flags (read from its installed sources):
+* ``amp_master_grad`` (TrainingArguments, default True; needs bf16/fp16): one process ->
+  ``MixPrecisionLayer`` + ``MixPrecisionOptimizer``; at each optimizer step the Trainer scales
+  ``main_grad`` by 1/accumulation.
+* ``recompute_granularity/method/num_layers`` (TrainingArguments, copied onto the model config by
+  ``LlmMetaConfig.set_llm_config`` as its CLI workflows do): llama/qwen2 call fleet's
+  ``recompute`` (imported by name at import time) per decoder layer, and the criterion
+  (``nn/criterion/sft_loss.py``) recomputes the loss too.  Neither passes ``use_reentrant``: the
+  config's ``recompute_use_reentrant`` is ignored there (honoured by the pipeline model only).
+* ``enable_linear_fused_grad_add``: not a TrainingArguments field.  It exists in the CLI's
+  ``FinetuningArguments``, which the sft/pt workflows never read; the deepseek_v3 and
+  auto_parallel workflows import ``mock_layers`` from ``utils.fused_layers`` /
+  ``llm.utils.fused_layers``, modules not in the wheel.  So the Trainer path has no fused
+  weight-gradient linear of its own: with paddle_mgrad, ``F.linear`` (every ``nn.Linear``) is ours.
+* ``tensor_parallel_config enable_mp_fused_linear_param_grad_add``: fleet's mp_configs, used
+  by fleet's ColumnParallelLinear only with tensor parallel > 1 (covered by tests/fleet).
+
+CPU gap (PaddleFormers/Paddle, not ours): the Trainer calls ``paddle.device.synchronize()`` when
+gradient_accumulation_steps > 1, which raises on a CPU place; train_tiny.py stands in for it
+(test_cpu_gap_* asserts the failure without the stand-in, so a fix shows).
+"""
+import zlib  # noqa: F401  (before paddle)
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+try:
+    import paddleformers
+except ImportError:
+    if os.environ.get("PADDLE_MGRAD_NO_FORMERS") == "1":
+        pytest.skip("PADDLE_MGRAD_NO_FORMERS=1: PaddleFormers tests skipped on purpose",
+                    allow_module_level=True)
+    raise ImportError("tests/formers needs paddleformers==1.2.0 (`nox -s formers` installs it with "
+                      "its pins); set PADDLE_MGRAD_NO_FORMERS=1 to skip these tests on purpose")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SCRIPT = os.path.join(HERE, "train_tiny.py")
+EVIDENCE = os.path.join(HERE, "evidence")
+PTH = os.path.join(ROOT, "paddle_mgrad_autoload.pth")
+
+MAX_STEPS, ACCUM, LAYERS, LINEARS_PER_LAYER = 2, 2, 2, 7  # q, k, v, o, gate, up, down
+MICRO = MAX_STEPS * ACCUM
+STEPS = ["--max_steps", str(MAX_STEPS), "--gradient_accumulation_steps", str(ACCUM),
+         "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--warmup_steps", "0",
+         "--logging_steps", "1", "--save_steps", "1000", "--report_to", "none", "--seed", "42",
+         "--dataloader_num_workers", "0", "--layers", str(LAYERS)]
+ALL_FLAGS = ["--bf16", "--fp16_opt_level", "O2", "--amp_master_grad", "true",
+             "--recompute_granularity", "full", "--recompute_method", "uniform",
+             "--recompute_num_layers", "1", "--use_reentrant", "false"]
+NO_FLAGS = ["--amp_master_grad", "false"]  # its default is True, refused without bf16/fp16
+SYNC_ERROR = "TypeError: device should be gpu, xpu"
+
+
+def run_script(tmp_path, name, flags, mode, timeout=600):
+    """mode: "mgrad" (PADDLE_MGRAD=all + evidence), "audit" (evidence only, paddle_mgrad off),
+    "plain" (no paddle_mgrad).  Returns (returncode, output, out_dir)."""
+    out_dir = tmp_path / name
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env.pop("PYTHONPATH", None)
+    if mode in ("mgrad", "audit"):
+        env.update(PMG_TEST_AUDIT_DIR=str(out_dir / "audit"),
+                   PYTHONPATH=os.pathsep.join([EVIDENCE, ROOT]))
+    if mode == "mgrad":
+        pth_dir = tmp_path / "pth"
+        pth_dir.mkdir(exist_ok=True)
+        shutil.copy(PTH, pth_dir)
+        env.update(PADDLE_MGRAD="all", PMG_TEST_PTH_DIR=str(pth_dir))
+        if os.environ.get("PADDLE_MGRAD_CACHE"):
+            env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
+    cmd = [sys.executable, SCRIPT, "--output_dir", str(out_dir), *STEPS, *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                       cwd=str(tmp_path))
+    return r.returncode, r.stdout + r.stderr, out_dir
+
+
+def losses(out_dir):
+    with open(out_dir / "losses.json") as f:
+        return json.load(f)
+
+
+def audit(out_dir):
+    with open(out_dir / "audit" / "audit.0.json") as f:
+        return json.load(f)
+
+
+def recompute_config(out_dir):
+    with open(out_dir / "run_info.json") as f:
+        return json.load(f)
+
+
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+                  "recompute_num_layers": 1, "recompute_use_reentrant": False}
+
+
+def params(out_dir):
+    return {k: v.numpy() for k, v in paddle.load(str(out_dir / "params.pdparams")).items()}
+
+
+def compare(on, off, label):
+    """Losses to 1e-5; parameters to rtol/atol 1e-5 (1% of one AdamW step at lr 1e-3: Adam
+    divides by sqrt(v), so a rounding-level gradient difference — fused GEMM vs matmul + add —
+    can move a near-zero-gradient update by ~1e-6).  Prints the measured differences."""
+    a, b = params(on), params(off)
+    assert sorted(a) == sorted(b)
+    dl = float(np.max(np.abs(np.subtract(losses(on), losses(off)))))
+    dp = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    print(f"\nMEASURED {label} paddle {paddle.__version__} paddleformers {paddleformers.__version__}: "
+          f"losses {losses(on)} vs {losses(off)}; max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}")
+    assert len(losses(on)) == MAX_STEPS
+    np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def check_main_grad(a):
+    s = a["audit"]
+    assert s["trainable"] == s["received_grad"] == s["in_fp32_main_grad"] > 0, s
+    assert s["grads_per_param"] == [MICRO, MICRO], s  # exactly once per micro-step
+    assert s["grad_not_none"] == 0 and s["missing"] == [], s
+    assert a["main_grad_dtypes"] == ["paddle.float32"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The reference: plain Paddle, no flags, no paddle_mgrad (shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("plain")
+    rc, out, off = run_script(tmp, "off", NO_FLAGS, "plain")
+    assert rc == 0, out[-5000:]
+    return off
+
+
+def test_trainer_every_flag_with_paddle_mgrad_matches_plain(tmp_path, plain_run):
+    rc, out, on = run_script(tmp_path, "on", ALL_FLAGS, "mgrad")
+    assert rc == 0, out[-5000:]
+    lines = [ln for ln in out.splitlines() if re.match(r"(\[rank \d+\] )?paddle_mgrad: ", ln)]
+    assert len(lines) == 1 and "recompute, fused_linear on (op: cpp-" in lines[0], lines
+    compare(on, plain_run, "PaddleFormers Trainer, every flag, PADDLE_MGRAD=all vs plain")
+    assert recompute_config(on) == FULL_RECOMPUTE
+    a = audit(on)
+    check_main_grad(a)
+    s = a["audit"]
+    # every nn.Linear weight (q, k, v, o, gate, up, down per layer) through our op into main_grad
+    assert s["fused_linear_params"] == s["linear_weights"] == LAYERS * LINEARS_PER_LAYER, s
+    linears = MICRO * LAYERS * LINEARS_PER_LAYER
+    assert a["linear"]["backward"] == a["linear"]["into_main_grad"] == linears, a["linear"]
+    assert a["paddle_c_ops"] == {"ours": 0, "paddle": 0}  # no PyLayer of PaddleFormers' own
+    # every recompute PaddleFormers does is ours: each decoder layer and the loss, each micro-step,
+    # recomputed once.  Reentrant although recompute_use_reentrant=False: PaddleFormers 1.2.0's
+    # llama (and its criterion) call recompute without use_reentrant (a fix there shows here).
+    assert a["recompute"]["reentrant"] == a["recompute"]["recomputations"] == MICRO * (LAYERS + 1)
+    assert a["recompute"]["non_reentrant"] == 0
+    assert "recompute" in a["installed"] and "linear" in a["installed"]
+
+
+def test_trainer_every_flag_plain_paddle(tmp_path, plain_run):
+    """Plain Paddle 3.3.1 with every flag PaddleFormers' Trainer offers runs on CPU and lands every
+    gradient in main_grad by MixPrecisionLayer's hook: no fused weight-gradient linear is on
+    this path, so the seed's failure (a fused-grad-add PyLayer under recompute) is unreachable
+    here.  paddle_mgrad stays off (its counters stay zero)."""
+    rc, out, flags = run_script(tmp_path, "flags", ALL_FLAGS, "audit")
+    assert rc == 0, out[-5000:]
+    assert "paddle_mgrad: " not in out
+    compare(flags, plain_run, "PaddleFormers Trainer, every flag, plain Paddle vs plain")
+    assert recompute_config(flags) == FULL_RECOMPUTE  # what makes llama call fleet's recompute
+    a = audit(flags)
+    check_main_grad(a)
+    assert a["audit"]["fused_linear_params"] == 0
+    assert a["installed"] == [] and a["F_linear_is_paddle_function"] is True
+    assert a["linear"]["backward"] == 0 and a["recompute"]["reentrant"] == 0
+
+
+def test_cpu_gap_trainer_synchronize_fails_on_cpu(tmp_path):
+    """Without train_tiny.py's stand-in, PaddleFormers' Trainer (accumulation 2) dies on CPU in
+    ``paddle.device.synchronize()`` — with or without paddle_mgrad; plain run shown."""
+    rc, out, _ = run_script(tmp_path, "nosync", [*NO_FLAGS, "--cpu_sync_standin", "false"], "plain")
+    assert rc != 0
+    assert SYNC_ERROR in out, out[-3000:]
+    assert "paddle.device.synchronize()" in out, out[-3000:]
+
+
+def test_enable_linear_fused_grad_add_is_not_a_trainer_argument():
+    """A user's ``--enable_linear_fused_grad_add`` is refused by PaddleFormers' TrainingArguments
+    parser; the CLI's FinetuningArguments has the field (read by none of the sft/pt workflows)."""
+    import dataclasses
+
+    from paddleformers.trainer import PdArgumentParser, TrainingArguments
+
+    assert "enable_linear_fused_grad_add" not in {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert "amp_master_grad" in {f.name for f in dataclasses.fields(TrainingArguments)}
+    with pytest.raises(ValueError, match="not used by the PdArgumentParser: \\['--enable_linear_fused"):
+        PdArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            args=["--output_dir", "unused", "--amp_master_grad", "false",
+                  "--enable_linear_fused_grad_add", "true"])
+    from paddleformers.cli.hparams.finetuning_args import FinetuningArguments
+
+    assert "enable_linear_fused_grad_add" in {f.name for f in dataclasses.fields(FinetuningArguments)}
