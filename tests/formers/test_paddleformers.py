@@ -24,7 +24,7 @@ What PaddleFormers 1.2.0 does with the flags (read from its installed sources):
   by fleet's ColumnParallelLinear only with tensor parallel > 1 (covered by tests/fleet).
 
 CPU gap (PaddleFormers/Paddle, not ours): the Trainer calls ``paddle.device.synchronize()`` when
-gradient_accumulation_steps > 1, which raises on a CPU place; train_tiny.py stands in for it
+gradient_accumulation_steps > 1, which raises on a CPU place; cpu_formers_standins.py stands in for it
 (test_cpu_gap_* asserts the failure without the stand-in, so a fix shows).
 """
 import zlib  # noqa: F401  (before paddle)
@@ -189,8 +189,9 @@ def test_trainer_every_flag_plain_paddle(tmp_path, plain_run):
 
 
 def test_cpu_gap_trainer_synchronize_fails_on_cpu(tmp_path):
-    """Without train_tiny.py's stand-in, PaddleFormers' Trainer (accumulation 2) dies on CPU in
-    ``paddle.device.synchronize()`` — with or without paddle_mgrad; plain run shown."""
+    """Without the stand-in (cpu_formers_standins.py), PaddleFormers' Trainer (accumulation 2)
+    dies on CPU in ``paddle.device.synchronize()`` — with or without paddle_mgrad; plain run
+    shown."""
     rc, out, _ = run_script(tmp_path, "nosync", [*NO_FLAGS, "--cpu_sync_standin", "false"], "plain")
     assert rc != 0
     assert SYNC_ERROR in out, out[-3000:]

@@ -30,7 +30,7 @@ class TinyArguments:
     layers: int = dataclasses.field(default=2)
     use_reentrant: str = dataclasses.field(default="true", metadata={"help": "recompute_use_reentrant"})
     samples: int = dataclasses.field(default=64)
-    cpu_sync_standin: str = dataclasses.field(default="true", metadata={"help": "see cpu_synchronize_standin"})
+    cpu_sync_standin: str = dataclasses.field(default="true", metadata={"help": "see cpu_formers_standins.py"})
 
 
 class Tokens(paddle.io.Dataset):
@@ -65,26 +65,13 @@ class LossLog(TrainerCallback):
             json.dump(self.losses, f)
 
 
-def cpu_synchronize_standin():
-    """PaddleFormers 1.2.0's Trainer calls ``paddle.device.synchronize()`` before every optimizer
-    step when gradient_accumulation_steps > 1; on a CPU place Paddle 3.3.1 raises
-    ``TypeError: device should be gpu, xpu, `` (a PaddleFormers/Paddle CPU gap, with or without
-    paddle_mgrad).  Stand-in for this CPU test only: nothing to wait for on a CPU place."""
-    synchronize = paddle.device.synchronize
-
-    def cpu_ok(device=None):
-        if device is None and isinstance(paddle.framework._current_expected_place_(), paddle.CPUPlace):
-            return None
-        return synchronize(device)
-
-    paddle.device.synchronize = cpu_ok
-
-
 def main(argv=None):
     parser = PdArgumentParser((TrainingArguments, TinyArguments))
     args, tiny = parser.parse_args_into_dataclasses(args=argv)
     paddle.seed(args.seed)
     if tiny.cpu_sync_standin.lower() in ("1", "true", "yes"):
+        from cpu_formers_standins import cpu_synchronize_standin  # tests only, next to this file
+
         cpu_synchronize_standin()
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=tiny.layers, num_attention_heads=4, num_key_value_heads=4,
