@@ -10,7 +10,9 @@
 // kernel) the inputs are widened to fp32 in row chunks and multiplied by the
 // fp32 GEMM.  fp16 inputs (no f16 GEMM in oneDNN's C API) are always widened.
 // The chunk loop applies beta on the first chunk only; kWidenBudget bounds the
-// extra memory (a per-thread workspace reused between calls).
+// extra memory (a per-thread workspace reused between calls).  A bf16/fp16
+// weight gradient (multi_precision=False) is accumulated in fp32 and rounded
+// once, in a second kept scratch when its K*N floats fit the same budget.
 //
 // fp64 inputs: our own packed, register-blocked OpenMP DGEMM (oneDNN has no
 // dgemm), whose micro-kernel is chosen at run time (AVX2+FMA or generic C++).
@@ -18,7 +20,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
+#include <memory>
+#include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -365,23 +368,27 @@ std::string widen_chunk_rows(int64_t K, int64_t N, int64_t* rows) {
   return "";
 }
 
-// Widening workspace, kept per thread between calls: a fresh 10-80 MiB buffer
-// is a fresh mmap whose first touch costs one page fault per 4 KiB page
-// (measured: 21k faults, ~10% of a 4096x1024x4096 bf16 call).
-float* widen_workspace(int64_t n) {
+// Scratch buffers kept per thread between calls, one per purpose: a fresh
+// 10-80 MiB buffer is a fresh mmap whose first touch costs one page fault per
+// 4 KiB page (measured: 21k faults, ~10% of a 4096x1024x4096 bf16 call).
+enum Scratch { kWidenScratch = 0, kAccumScratch = 1, kScratchKinds = 2 };
+
+float* thread_scratch(Scratch which, int64_t n) {
   struct Ws {
-    float* p = nullptr;
-    size_t bytes = 0;
-    ~Ws() { std::free(p); }
+    float* p[kScratchKinds] = {};
+    size_t bytes[kScratchKinds] = {};
+    ~Ws() {
+      for (float* q : p) std::free(q);
+    }
   };
   static thread_local Ws ws;
   const size_t bytes = ((static_cast<size_t>(n) * 4 + 4095) / 4096) * 4096;
-  if (bytes > ws.bytes) {
-    std::free(ws.p);
-    ws.p = static_cast<float*>(std::aligned_alloc(4096, bytes));
-    ws.bytes = ws.p ? bytes : 0;
+  if (bytes > ws.bytes[which]) {
+    std::free(ws.p[which]);
+    ws.p[which] = static_cast<float*>(std::aligned_alloc(4096, bytes));
+    ws.bytes[which] = ws.p[which] ? bytes : 0;
   }
-  return ws.p;
+  return ws.p[which];
 }
 
 // fp32 accumulate of any 16/32-bit input dtype into fp32 C (K, N > 0).
@@ -414,7 +421,7 @@ std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
   // Equal chunks (4096 rows at a 3072-row budget: 2 x 2048, not 3072 + 1024).
   const int64_t chunks = (M + rows - 1) / rows;
   rows = (M + chunks - 1) / chunks;
-  float* xa = widen_workspace(rows * (K + N));
+  float* xa = thread_scratch(kWidenScratch, rows * (K + N));
   if (xa == nullptr)
     return "cannot allocate " + std::to_string(rows * (K + N) * 4) +
            " bytes to widen " + dtype_name(a.in_dtype) + " inputs to float32 (" +
@@ -650,10 +657,24 @@ std::string wgrad_cpu(const WgradArgs& a) {
       if (!err.empty()) return err;
     } else {
       // Same-precision gradient (multi_precision=False): accumulate in fp32, round once.
-      std::vector<float> tmp(static_cast<size_t>(a.K * a.N));
-      std::string err = gemm_f32acc(a, tmp.data(), 0.f);
-      if (!err.empty()) return err;
+      // The fp32 product lives in this thread's kept scratch when it fits the widening
+      // budget, else in a buffer freed on return (a 4096x28672 layer would otherwise pin
+      // 470 MiB per calling thread).
       const int64_t n = a.K * a.N;
+      std::unique_ptr<float, decltype(&std::free)> once(nullptr, &std::free);
+      float* tmp = nullptr;
+      if (n * 4 <= kWidenBudget) {
+        tmp = thread_scratch(kAccumScratch, n);
+      } else {
+        once.reset(static_cast<float*>(std::malloc(static_cast<size_t>(n) * 4)));
+        tmp = once.get();
+      }
+      if (tmp == nullptr)
+        return "cannot allocate " + std::to_string(n * 4) + " bytes for the float32 product of a " +
+               dtype_name(a.dw_dtype) + " weight gradient [" + std::to_string(a.K) + ", " +
+               std::to_string(a.N) + "]";
+      std::string err = gemm_f32acc(a, tmp, 0.f);
+      if (!err.empty()) return err;
 #pragma omp parallel for schedule(static) if (n > 65536)
       for (int64_t i = 0; i < n; ++i) {
         const float old = a.dw_beta == 0.f ? 0.f : a.dw_beta * load(a.dw, a.dw_dtype, i);

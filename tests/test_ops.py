@@ -507,6 +507,24 @@ def test_default_chunking_of_a_wide_output(dtype):
     _check_close(out_w, 2 * want, 2 * want, "float32")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_same_precision_weight_grad_around_the_scratch_budget(dtype):
+    """multi_precision=False: dW is accumulated in fp32 and rounded once.  A K x N product
+    over 64 MiB goes through a one-shot buffer, a smaller one through the thread's kept
+    scratch; interleaved calls of both sizes, in place, each against float64."""
+    rs = np.random.RandomState(5)
+    shapes = [(3, 4096, 4100), (5, 24, 40), (3, 4096, 4100), (7, 40, 24)]  # 16.8M > 64 MiB/4
+    for M, K, N in shapes:
+        x, dy = _t(rs.uniform(0.5, 1.0, [M, K]), dtype), _t(rs.uniform(0.5, 1.0, [M, N]), dtype)
+        dw = _t(rs.uniform(0.5, 1.0, [K, N]), dtype)
+        start, ptr = _as64(dw), dw.data_ptr()
+        with _bf16_path("widen"), _chunk_rows(None):
+            out_w, _ = ops.fused_linear_param_grad_add(x, dy, dw, None, False, False)
+        assert out_w is dw and out_w.data_ptr() == ptr
+        prod = _as64(x).T @ _as64(dy)
+        _check_close(out_w, start + prod, start + prod, dtype)
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "12x", "abc"])
 def test_bad_chunk_rows_env_is_a_clear_error(value):
     x = paddle.ones([4, 3]).astype("bfloat16")
