@@ -9,7 +9,7 @@
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
-it succeeds, so the disk holds one at a time (all of them together take ~13 GB).
+it succeeds, so the disk holds one at a time (all of them together take ~15 GB).
 """
 import functools
 import os
@@ -41,7 +41,7 @@ def _frees_venv(fn):
 
     Why: CI machines share a disk whose free space varies (a run died with "No space left on
     device" after ~3 GB); the largest venv (paddlepaddle-gpu + cuBLAS) is ~3.7 GB, all of them
-    ~13 GB.  A failed session keeps its venv for inspection (CI stops there anyway)."""
+    ~15 GB.  A failed session keeps its venv for inspection (CI stops there anyway)."""
     @functools.wraps(fn)
     def run(session, *args, **kwargs):
         fn(session, *args, **kwargs)
