@@ -525,6 +525,77 @@ def test_same_precision_weight_grad_around_the_scratch_budget(dtype):
         _check_close(out_w, start + prod, start + prod, dtype)
 
 
+def _every_half(dtype):
+    """All 65536 bf16/fp16 bit patterns (zeros, subnormals, normals, infs, NaNs) as float32."""
+    bits = np.arange(65536, dtype=np.uint32)
+    if dtype == "float16":
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    return (bits << 16).view(np.float32)
+
+
+def _round_half(f32, dtype):
+    """float32 -> bf16/fp16 round-to-nearest-even (numpy's for fp16; by bits for bf16), as
+    float32 values.  Overflow rounds to inf; NaN stays NaN."""
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return f32.astype(np.float16).astype(np.float32)
+    u = f32.view(np.uint32).astype(np.uint64)
+    r = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(f32), np.float32(np.nan), r)
+
+
+def _same_values(got, want):
+    nan = np.isnan(want)
+    bad = (np.isnan(got) != nan) | (~nan & (got != want))
+    return int(bad.sum()), [(float(want[i]), float(got[i])) for i in np.nonzero(bad)[0][:4]]
+
+
+@pytest.mark.parametrize("dtype,path", [("float16", "auto"), ("bfloat16", "widen"),
+                                        ("bfloat16", "native")])
+def test_every_half_bit_pattern_widens_and_rounds_exactly(dtype, path):
+    """Every bf16/fp16 bit pattern is read exactly (dW through the widening or native GEMM,
+    db through the scalar loads: fp16's F16C and portable conversions both run), and a
+    same-precision result (multi_precision=False) is the fp32 sum rounded once to nearest
+    even: sums of random pairs of all patterns (ties, overflow to inf, subnormals, NaN)."""
+    v = _every_half(dtype)
+    row = paddle.to_tensor(v.reshape(1, -1)).astype(dtype)
+    one = paddle.ones([1, 1], dtype=dtype)
+    with _bf16_path(path):
+        dw, _ = ops.fused_linear_param_grad_add(row, one, None, None, True, False)  # x^T . 1
+        _, db = ops.fused_linear_param_grad_add(one, row, None, None, True, True)   # sum_m dy
+    for got in (dw, db):
+        assert _name(got.dtype) == "float32"
+        assert _same_values(got.numpy().reshape(-1), v) == (0, [])
+
+    # Rounding once: db = the fp32 sum of two rows (random pairs of all patterns), dW = exact
+    # fp32 products of an outer product whose factors (random patterns plus powers of two and
+    # small odd multiples) land on ties, the subnormal range and the overflow edge.
+    rs = np.random.RandomState(0)
+    a, b = v, v[rs.permutation(v.size)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_db = _round_half(a + b, dtype)
+    dy = paddle.to_tensor(np.stack([a, b])).astype(dtype)
+    with _bf16_path(path):
+        _, db = ops.fused_linear_param_grad_add(paddle.ones([2, 1], dtype=dtype), dy, None,
+                                                None, False, True)
+    crafted = np.array([s * m * 2.0 ** e for s in (1, -1) for m in (1, 3, 19, 151, 431)
+                        for e in range(-24, 16, 3)], np.float32)
+    crafted = crafted[np.isfinite(_round_half(crafted, dtype))]
+    crafted = crafted[_round_half(crafted, dtype) == crafted]  # exactly representable
+    finite = v[np.isfinite(v)]
+    f = np.concatenate([crafted, rs.choice(finite, 512 - crafted.size)])
+    g = np.concatenate([crafted[::3], rs.choice(finite, 128 - crafted[::3].size)])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want_dw = _round_half(f[:, None] * g[None, :], dtype).reshape(-1)  # exact in fp32
+    with _bf16_path(path):
+        dw, _ = ops.fused_linear_param_grad_add(paddle.to_tensor(f[None]).astype(dtype),
+                                                paddle.to_tensor(g[None]).astype(dtype), None,
+                                                None, False, False)
+    for got, want in ((db, want_db), (dw, want_dw)):
+        assert _name(got.dtype) == dtype
+        assert _same_values(got.astype("float32").numpy().reshape(-1), want) == (0, [])
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "12x", "abc"])
 def test_bad_chunk_rows_env_is_a_clear_error(value):
     x = paddle.ones([4, 3]).astype("bfloat16")
