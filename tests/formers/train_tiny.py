@@ -61,6 +61,8 @@ class LossLog(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
     def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
         with open(f"{args.output_dir}/losses.json", "w") as f:
             json.dump(self.losses, f)
 
@@ -83,6 +85,8 @@ def main(argv=None):
                       callbacks=[LossLog()])
     trainer.train()
     trainer.save_model(args.output_dir)
+    if not trainer.is_world_process_zero():  # data parallel: rank 0 writes what is compared
+        return
     paddle.save(model.state_dict(), f"{args.output_dir}/params.pdparams")  # for the comparison
     with open(f"{args.output_dir}/run_info.json", "w") as f:  # what the model ran with
         json.dump({k: getattr(config, k) for k in ("recompute_granularity", "recompute_method",
