@@ -1,7 +1,8 @@
 """PaddleFormers 1.2.0 (PaddleNLP's successor, what Paddle 3.x users train with): its own
 ``Trainer`` and ``TrainingArguments`` and a tiny ``LlamaForCausalLM`` built from its config
 (tests/formers/train_tiny.py, nothing in it mentions paddle_mgrad), 2 steps x 2 accumulation
-on CPU with every master-grad/recompute flag PaddleFormers has.  ``PADDLE_MGRAD=all`` alone
+on CPU with every master-grad/recompute flag PaddleFormers has, in one process and on 2 gloo
+ranks (PaddleFormers' default multi-rank setup, sharding stage1).  ``PADDLE_MGRAD=all`` alone
 switches paddle_mgrad on; losses and parameters equal a plain run (no flags, no paddle_mgrad);
 every trainable parameter's gradient lands in fp32 ``main_grad`` exactly once per micro-step,
 every ``nn.Linear`` weight through our op, every recompute PaddleFormers does through ours.
