@@ -38,9 +38,7 @@ class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
         _stash_for_backward(ctx, x, weight, bias)  # main_grad checked here, as in our linear
         ctx.group = model_parallel_group
         stats.bump(stats.linear, "overlap_forward")
-        if fuse_matmul_bias:
-            return paddle._legacy_C_ops.fused_gemm_epilogue(x, weight, bias)
-        return original("linear")(x, weight, bias)
+        return forward_matmul(x, weight, bias, fuse_matmul_bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -53,6 +51,14 @@ class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
             # the column-parallel input gradient: summed over the group while dW runs
             task = paddle.distributed.all_reduce(dx, group=ctx.group, sync_op=False)
         return grads_while(task, dx, x, dy, weight, bias)
+
+
+def forward_matmul(x, weight, bias, fuse_matmul_bias):
+    """The forward product of both overlap linears, as fleet computes it: Paddle's GPU
+    ``fused_gemm_epilogue`` when ``fuse_matmul_bias``, else Paddle's own (unpatched) ``linear``."""
+    if fuse_matmul_bias:
+        return paddle._legacy_C_ops.fused_gemm_epilogue(x, weight, bias)
+    return original("linear")(x, weight, bias)
 
 
 def input_grad(dy, weight):

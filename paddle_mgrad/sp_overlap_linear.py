@@ -28,8 +28,7 @@ from __future__ import annotations
 from . import stats
 from ._compat import paddle
 from .linear import _check_main_grads, _stash_for_backward
-from .overlap_linear import grads_while, input_grad
-from .registry import original
+from .overlap_linear import forward_matmul, grads_while, input_grad
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]
 
@@ -54,9 +53,7 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
         ctx.recompute_allgather = recompute_allgather
         ctx.group = model_parallel_group
         stats.bump(stats.linear, "sp_overlap_forward")
-        if fuse_matmul_bias:
-            return paddle._legacy_C_ops.fused_gemm_epilogue(input_parallel, weight, bias)
-        return original("linear")(input_parallel, weight, bias)
+        return forward_matmul(input_parallel, weight, bias, fuse_matmul_bias)
 
     @staticmethod
     def backward(ctx, dy):
