@@ -33,9 +33,6 @@ import zlib  # noqa: F401  (before paddle)
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import paddle
@@ -50,11 +47,11 @@ except ImportError:
     raise ImportError("tests/formers needs paddleformers==1.2.0 (`nox -s formers` installs it with "
                       "its pins); set PADDLE_MGRAD_NO_FORMERS=1 to skip these tests on purpose")
 
+from script_runs import launch, script_env, switch_on, with_evidence  # noqa: E402  (tests/)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 SCRIPT = os.path.join(HERE, "train_tiny.py")
 EVIDENCE = os.path.join(HERE, "evidence")
-PTH = os.path.join(ROOT, "paddle_mgrad_autoload.pth")
 
 MAX_STEPS, ACCUM, LAYERS, LINEARS_PER_LAYER = 2, 2, 2, 7  # q, k, v, o, gate, up, down
 MICRO = MAX_STEPS * ACCUM
@@ -84,35 +81,15 @@ def run_script(tmp_path, name, flags, mode, nproc=1, timeout=600):
     "plain" (no paddle_mgrad); nproc > 1: data parallel through paddle.distributed.launch (gloo).
     Returns (returncode, output with the workers' logs, out_dir)."""
     out_dir = tmp_path / name
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-               LIBC_FATAL_STDERR_="1")
+    env = script_env()
     env.pop("PYTHONPATH", None)
     if mode in ("mgrad", "audit"):
-        env.update(PMG_TEST_AUDIT_DIR=str(out_dir / "audit"),
-                   PYTHONPATH=os.pathsep.join([EVIDENCE, ROOT]))
+        with_evidence(env, out_dir / "audit", EVIDENCE)
     if mode == "mgrad":
-        pth_dir = tmp_path / "pth"
-        pth_dir.mkdir(exist_ok=True)
-        shutil.copy(PTH, pth_dir)
-        env.update(PADDLE_MGRAD="all", PMG_TEST_PTH_DIR=str(pth_dir))
-        if os.environ.get("PADDLE_MGRAD_CACHE"):
-            env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
-    base = [SCRIPT, "--output_dir", str(out_dir), *STEPS, *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-               str(out_dir / "log"), "--nproc_per_node", str(nproc), *base]
-    else:
-        cmd = [sys.executable, *base]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                       cwd=str(tmp_path))
-    out = r.stdout + r.stderr
-    if nproc > 1 and (out_dir / "log").is_dir():
-        workers = "".join(f"\n--- {log.name}\n" + log.read_text(errors="replace")
-                          for log in sorted((out_dir / "log").iterdir()))
-        out = workers + "\n--- launcher\n" + out
-    return r.returncode, out, out_dir
+        switch_on(env, tmp_path)
+    rc, out = launch([SCRIPT, "--output_dir", str(out_dir), *STEPS, *flags], out_dir, nproc,
+                     env, timeout, tmp_path)
+    return rc, out, out_dir
 
 
 def losses(out_dir):

@@ -15,9 +15,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import paddle
@@ -26,12 +23,12 @@ import pytest
 import paddle_mgrad
 from paddle_mgrad import stats
 from paddle_mgrad._compat import IS_PADDLE_2
+from script_runs import launch, script_env, switch_on, with_evidence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLM = os.path.join(ROOT, "tests", "nlp", "llm")
 SCRIPT = os.path.join(LLM, "run_pretrain.py")
 EVIDENCE = os.path.join(ROOT, "tests", "nlp", "evidence")
-PTH = os.path.join(ROOT, "paddle_mgrad_autoload.pth")
 
 ALL_FLAGS = ["--amp_master_grad", "--bf16", "--fp16_opt_level", "O2", "--recompute",
              "--recompute_granularity", "full", "--recompute_use_reentrant", "false",
@@ -54,42 +51,20 @@ def run_script(tmp_path, name, flags, mode, nproc=1, timeout=900):
     by a wrapper so that Paddle 2.6 gets as far as training), "bare" (no paddle_mgrad at all).
     Returns (returncode, output, out_dir)."""
     out_dir = tmp_path / name
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))}
-    # faulthandler + glibc's fatal messages on stderr: a rank once died of SIGABRT at exit with
-    # nothing in its log (rare, under CPU load); if it recurs the log says where.
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-               LIBC_FATAL_STDERR_="1")
+    env = script_env()
     script = [SCRIPT]
     if mode == "mgrad":
-        pth_dir = tmp_path / "pth"
-        pth_dir.mkdir(exist_ok=True)
-        shutil.copy(PTH, pth_dir)
-        env.update(PADDLE_MGRAD="all", PMG_TEST_AUDIT_DIR=str(out_dir / "audit"),
-                   PMG_TEST_PTH_DIR=str(pth_dir),
-                   PYTHONPATH=os.pathsep.join([EVIDENCE, ROOT]))
-        if os.environ.get("PADDLE_MGRAD_CACHE"):
-            env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
+        with_evidence(env, out_dir / "audit", EVIDENCE)
+        switch_on(env, tmp_path)
     else:
         env.pop("PYTHONPATH", None)
         if mode == "plain":
             wrapper = tmp_path / "zlib_first.py"
             wrapper.write_text(ZLIB_FIRST)
             script = [str(wrapper), SCRIPT]
-    base = [*script, "--output_dir", str(out_dir), *STEPS, *flags]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-               str(out_dir / "log"), "--nproc_per_node", str(nproc), *base]
-    else:
-        cmd = [sys.executable, *base]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp_path))
-    out = r.stdout + r.stderr
-    if nproc > 1 and (out_dir / "log").is_dir():
-        workers = ""
-        for log in sorted((out_dir / "log").iterdir()):
-            workers += f"\n--- {log.name}\n" + log.read_text(errors="replace")
-        out = workers + "\n--- launcher\n" + out
-    return r.returncode, out, out_dir
+    rc, out = launch([*script, "--output_dir", str(out_dir), *STEPS, *flags], out_dir, nproc,
+                     env, timeout, tmp_path)
+    return rc, out, out_dir
 
 
 def losses(out_dir):
