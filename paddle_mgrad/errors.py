@@ -20,3 +20,8 @@ class FusedLinearError(ValueError):
 
 class FlagError(ValueError):
     """A trainer flag combination that cannot work; the message is one actionable line."""
+
+
+class EnvError(FlagError):
+    """A ``PADDLE_MGRAD*`` environment variable holds a value it does not accept; the message
+    names the variable and the accepted values (:mod:`paddle_mgrad.env`)."""
