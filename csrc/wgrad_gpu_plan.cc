@@ -58,10 +58,11 @@ const char* bias_mode_name(BiasMode m) {
 }
 
 std::string parse_bias_mode(const char* text, BiasMode* out) {
-  std::string t;
+  std::string t;  // stripped and lower-cased, as env.py's _choice reads it
   for (const char* c = text; c != nullptr && *c; ++c)
-    if (!std::isspace(static_cast<unsigned char>(*c)))
-      t += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    t += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+  const size_t b = t.find_first_not_of(" \t\n\r\f\v"), e = t.find_last_not_of(" \t\n\r\f\v");
+  t = b == std::string::npos ? "" : t.substr(b, e - b + 1);
   if (t.empty() || t == "auto") {
     *out = BiasMode::kAuto;
   } else if (t == "epilogue") {

@@ -15,6 +15,10 @@
 //
 // The Python wrapper validates first and raises FusedLinearError with the
 // offending shapes; the PD_CHECKs here guard direct callers of the raw op.
+// Every input must be on x's place (both branches).  The GPU branch is
+// pmg::gpu_flow (wgrad_gpu_flow.h) on PaddleGpuHost: Paddle's device guard
+// first, then Paddle's stream and the outputs, then the CUDA core with the
+// device and stream given explicitly and scratch from Paddle's allocator.
 #include <cstdlib>
 #include <string>
 #include <vector>
