@@ -96,7 +96,8 @@ def copy_build(root, key_dir=None):
 def library_in(key_dir):
     from paddle_mgrad.ops import _build
 
-    return os.path.join(key_dir, *_build._op_lib_rel(os.path.basename(key_dir)).split("/"))
+    name = f"{_build.OP_PREFIX}_{os.path.basename(key_dir)}"
+    return os.path.join(key_dir, name, name + ".so")
 
 
 def home_with_build(tmp_path):

@@ -205,6 +205,11 @@ def test_corrupt_library_is_never_loaded_and_is_rebuilt(tmp_path, how):
     assert sorted(os.listdir(cache)) == [os.path.basename(key_dir), f"{os.path.basename(key_dir)}.lock"]
 
 
+def _compiler_at_work(cache):
+    """An object file anywhere below ``cache`` (hidden build directories included)."""
+    return any(n.endswith(".o") for _, _, names in os.walk(cache) for n in names)
+
+
 def test_build_killed_half_way_then_restart(tmp_path):
     """kill -9 while the compiler runs, restart at once: the orphaned compiler keeps writing into
     its own private directory; the restart builds in a fresh one (discarding the orphan's) and
@@ -214,9 +219,7 @@ def test_build_killed_half_way_then_restart(tmp_path):
     first = run_probe(cache, home, popen=True, start_new_session=True)
     try:
         deadline = time.time() + 300
-        while not (glob.glob(os.path.join(cache, ".build-*", "*", "build"))
-                   or glob.glob(os.path.join(cache, ".build-*", "build"))
-                   or glob.glob(os.path.join(cache, "*", "build"))):  # the compiler is at work
+        while not _compiler_at_work(cache):
             assert first.poll() is None, first.stdout.read()
             assert time.time() < deadline, "the first build never started compiling"
             time.sleep(0.1)
@@ -230,6 +233,8 @@ def test_build_killed_half_way_then_restart(tmp_path):
         (e,) = [e for e in _build.inspect_cache(str(cache))
                 if e["location"] == "cache" and e["key"] == key and e["problem"] is None]
         assert e["verified"] and res["library"] == library_in(os.path.join(cache, key))
+        # the orphan's directory was discarded (renamed away, deleted as far as it could be)
+        assert not [n for n in os.listdir(cache) if n.startswith(".build-")], os.listdir(cache)
     finally:
         try:
             os.killpg(first.pid, signal.SIGKILL)  # the orphaned compiler

@@ -36,12 +36,17 @@ def _one_warning(res, *parts):
 
 # ------------------------------------------------------------------ the planted library
 @needs_root
-@pytest.mark.parametrize("marker", ["kept", "forged"])
-@pytest.mark.parametrize("pth", [False, True], ids=["backend", "PADDLE_MGRAD=all"])
-def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, marker, pth):
-    """A world-writable cache owned by ``nobody`` whose library was replaced: not loaded (with
-    the marker kept, or forged to match the planted file), one warning, the user's private
-    cache serves the op, no build."""
+@pytest.mark.parametrize("mode,marker,pth", [
+    (0o777, "kept", False), (0o777, "kept", True),  # the attack as reported, both entry points
+    (0o777, "forged", False),
+    (0o755, "forged", False),  # only the owner could have planted it: ownership alone refuses
+], ids=["world-writable-kept", "world-writable-kept-PADDLE_MGRAD=all", "world-writable-forged",
+        "other-owner-forged"])
+def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, mode, marker, pth):
+    """A cache owned by ``nobody`` whose library was replaced by one whose constructor writes a
+    marker file: not loaded (with the completion marker kept, or forged to match the planted
+    file), one warning, the user's private cache serves the op, no build.  With
+    ``PADDLE_MGRAD=all`` (the .pth switch) the op is loaded at ``import paddle``."""
     ran = tmp_path / "PLANTED_CODE_RAN"
     shared = tmp_path / "shared"
     key_dir = copy_build(shared)
@@ -50,7 +55,9 @@ def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, marker, pth):
         dst.write(src.read())
     if marker == "forged":
         forge_marker(key_dir)
-    os.chmod(shared, 0o777)
+    for dirpath, dirnames, filenames in os.walk(shared):
+        os.chmod(dirpath, 0o755)
+    os.chmod(shared, mode)
     chown_tree(shared, NOBODY)
     home = home_with_build(tmp_path)
     extra = {"PADDLE_MGRAD": "all"} if pth else {}
@@ -59,7 +66,8 @@ def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, marker, pth):
     assert not ran.exists(), "the planted library's constructor ran"
     assert res["backend"].startswith("cpp-") and res["correct"], res
     assert res["library"].startswith(str(home)), res
-    _one_warning(res, str(shared), "owned by uid 65534", "world-writable", "Fix:")
+    _one_warning(res, str(shared), "owned by uid 65534", "Fix:",
+                 *(["world-writable (mode 0777)"] if mode == 0o777 else []))
     assert COMPILING not in p.stdout + p.stderr
     if pth:
         assert "paddle_mgrad: recompute, fused_linear on (op: cpp-" in p.stderr
