@@ -464,6 +464,8 @@ def _load_verified(root, key, trusted):
                    "there can run code in this process")
     try:
         return _import_library(r["fd"], r["library"], key)
+    except Exception as e:  # e.g. a library it links moved: the caller rebuilds once
+        raise ValueError(f"the library did not load ({type(e).__name__}: {e})"[:1500]) from None
     finally:
         os.close(r["fd"])
 
@@ -633,7 +635,12 @@ def _load(directory, key, cuda, verbose=False):
     import it (verified like any cached build).  The caller holds the key's lock."""
     root = os.path.dirname(directory)
     _build_install(root, key, cuda, verbose)
-    return _load_verified(root, key, _trusted())
+    try:
+        return _load_verified(root, key, _trusted())
+    except ValueError as e:
+        raise RuntimeError(f"the op just built in {directory} cannot be used: {e}. Fix: delete "
+                           f"{directory} and start again; PADDLE_MGRAD_OPS=python uses the "
+                           "fallback without building") from None
 
 
 def _failed_message(directory) -> str | None:
