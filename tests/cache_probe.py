@@ -155,7 +155,7 @@ def modes(tree):
     return out
 
 
-def run_probe(cache, home, patch="", pth=False, code=None, user=None, cwd="/", umask=None,
+def run_probe(cache, home, patch="", pth=False, code=None, cwd="/", umask=None,
               start_new_session=False, popen=False, wrap=(), **env_extra):
     """Run :data:`PROBE` (or ``code``) in a fresh interpreter with ``PADDLE_MGRAD_CACHE=cache``
     and ``HOME=home``; with ``pth`` the interpreter processes paddle_mgrad_autoload.pth at start
@@ -169,8 +169,6 @@ def run_probe(cache, home, patch="", pth=False, code=None, user=None, cwd="/", u
     if code is None:
         code = PROBE.format(patch=textwrap.indent(textwrap.dedent(patch), "    ").strip())
     kwargs = dict(env=env, cwd=cwd, text=True, start_new_session=start_new_session)
-    if user is not None:
-        kwargs.update(user=user, group=user, extra_groups=[])
     if umask is not None:
         kwargs["umask"] = umask
     cmd = list(wrap) + [sys.executable, "-c", textwrap.dedent(code)]
