@@ -98,6 +98,14 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "place into fp32 main_grad through our op, dx reduce-scatter kept async.",
         optional=True),
     Replacement(
+        "zero_bubble_grad_weight_fn", "fused_linear",
+        "paddle.distributed.fleet.meta_parallel.zero_bubble_utils", "grad_weight_fn", "code",
+        "paddle_mgrad.zero_bubble:_paddle_grad_weight_fn_trampoline",
+        "Zero-bubble pipelines (Paddle 3.x SplitBWMatmul, DualPipeV) defer the weight gradient "
+        "to WeightGradStore.pop(), where Paddle's function matmuls into a temporary and then "
+        "adds it to main_grad; ours accumulates it in place into fp32 main_grad through our op, "
+        "still when the store runs it.", optional=True),
+    Replacement(
         "varbase_help", "fused_linear", "paddle.distributed.fleet.recompute.recompute",
         "_varbase_help", "code", "paddle_mgrad.linear:_paddle_varbase_help_trampoline",
         "Paddle 2.6's reentrant recompute re-creates parameter arguments as copies; tag each copy "
