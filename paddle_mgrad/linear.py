@@ -52,6 +52,19 @@ def _accumulator(p):
     return "fresh", None
 
 
+def _written(p):
+    """``p.grad`` was accumulated in place: it is no longer "fake empty".
+
+    ``clear_grad(set_to_zero=True)`` (the optimizers' default) zero-fills ``.grad`` and marks
+    the parameter's accumulation node *fake empty*: the next gradient Paddle accumulates
+    *replaces* ``.grad`` instead of adding to it.  When the parameter also gets a gradient
+    from another op (a weight shared with a matmul, a tied embedding, a double backward),
+    that replacement would drop what we just added in place -- so we clear the mark."""
+    unset = getattr(p, "_unset_fake_empty", None)
+    if unset is not None:
+        unset()
+
+
 def _check_main_grad(p):
     """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
     master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
@@ -195,6 +208,9 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
             b_acc.add_(db.astype(b_acc.dtype))
             db = b_acc
 
+    for p, kind in ((weight, w_kind), (bias, b_kind)):
+        if kind == "grad":
+            _written(p)
     stats.fused_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
     stats.bump(stats.linear, "into_main_grad", (w_kind == "main_grad") + (b_kind == "main_grad"))
     out_w = out_b = None
