@@ -1,15 +1,26 @@
 """A linear layer whose weight/bias gradients accumulate in place into fp32 ``main_grad``.
 
-Forward is Paddle's own ``linear``.  Backward computes ``dx = dy · Wᵀ`` and, for
-each of weight and bias that needs a gradient:
+Forward is Paddle's own ``linear``.  In an ordinary ``backward()`` the PyLayer computes
+``dx = dy · Wᵀ`` and, for each of weight and bias that needs a gradient:
 
 * if the parameter has a ``main_grad`` attribute (``--amp_master_grad``,
   ``MixPrecisionLayer``): the fused op accumulates ``xᵀ·dy`` (beta = 1) straight
-  into it, allocating it in fp32 **on the real parameter** when it is ``None``
-  (first micro-step); the PyLayer returns ``None`` for that gradient, so
+  into it, allocating it **on the real parameter** when it is ``None`` (first
+  micro-step) in the parameter's master-gradient dtype ``ops.mp_dtype`` (float32;
+  float64 for float64 parameters); the PyLayer returns ``None`` for that gradient, so
   ``param.grad`` stays ``None`` and the parameter's hooks still fire once;
-* otherwise, if ``param.grad`` exists: the op accumulates into it in place;
-* otherwise: a fresh gradient is returned (in the parameter's dtype).
+* otherwise, if ``param.grad`` exists: the op accumulates into it in place (and clears
+  Paddle's "fake empty" mark that ``clear_grad(set_to_zero=True)`` leaves, see
+  :func:`_written`);
+* otherwise -- or when the parameter has a user gradient hook (:mod:`.param_hooks`),
+  which must see the gradient and may replace it -- a fresh gradient is returned (in the
+  parameter's dtype) and Paddle accumulates it as without us.
+
+In a ``paddle.grad`` pass (:mod:`.autograd_passes`) it returns plain gradients exactly
+at the slots Paddle wants, computed with differentiable Paddle ops (double backward), and
+touches neither ``.grad`` nor ``main_grad``.  Under ``auto_cast`` O1 the product may run in
+bf16/fp16 for float32 ``x``/weight: ``dx`` is computed in ``dy``'s dtype and returned in
+``x``'s, the weight gradient from ``x`` cast as the forward cast it.
 
 Recompute-proof: only ``x`` goes through ``ctx.save_for_backward`` (so that
 recompute may drop it); the parameters are kept on ``ctx`` as Python
@@ -65,6 +76,19 @@ def _written(p):
         unset()
 
 
+_DTYPE_NAMES: dict = {}  # a dtype's enum value -> its name
+
+
+def _dtname(dtype) -> str:
+    """``ops._dtype_name`` through a cache: ``str()`` of a Paddle dtype costs microseconds
+    (Python-level on 3.x), and the backward asks several times per call."""
+    key = dtype.value
+    name = _DTYPE_NAMES.get(key)
+    if name is None:
+        name = _DTYPE_NAMES[key] = ops._dtype_name(dtype)
+    return name
+
+
 def _check_main_grad(p):
     """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
     master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
@@ -73,11 +97,11 @@ def _check_main_grad(p):
     mg = getattr(p, "main_grad", None)
     if mg is None:
         return
-    want = ops.mp_dtype(p.dtype)
-    if ops._dtype_name(mg.dtype) != want:
+    want = ops.mp_dtype(_dtname(p.dtype))
+    if _dtname(mg.dtype) != want:
         raise FusedLinearError(
             f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
-            f"(the master gradient of a {ops._dtype_name(p.dtype)} parameter)")
+            f"(the master gradient of a {_dtname(p.dtype)} parameter)")
 
 
 def _check_main_grads(weight, bias):
@@ -128,7 +152,7 @@ def _compute_dtypes(x, dy):
     list; no bias), so ``dy`` is bf16/fp16.  The narrower dtype is the product's: ``x`` is
     cast to it, as autocast cast it in forward.  (A wider ``dy`` -- no autocast does that --
     is cast to ``x``'s dtype.)"""
-    if dy.dtype == x.dtype:
+    if _dtname(dy.dtype) == _dtname(x.dtype):
         return x, dy
     if dy.element_size() < x.element_size():
         return x.astype(dy.dtype), dy
@@ -173,14 +197,16 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
     if not (want_w or want_b):
         return None, None
     x, dy = _compute_dtypes(x, dy)
-    mp_name = ops.mp_dtype(x.dtype)  # the accumulator dtype with multi_precision
+    x_name = _dtname(x.dtype)
+    mp_name = ops.mp_dtype(x_name)  # the accumulator dtype with multi_precision
     w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
     b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
-    if w_kind == "grad" and ops._dtype_name(w_acc.dtype) not in ops.acc_dtypes(x.dtype, False):
+    w_acc_name = _dtname(w_acc.dtype) if w_acc is not None else None
+    if w_kind == "grad" and w_acc_name not in ops.acc_dtypes(x_name, False):
         # The op's accumulator rule (ops.acc_dtypes: the input dtype or its multi-precision
         # type -- float64 only for float64 inputs) refuses this .grad: return a fresh
         # gradient instead, which Paddle adds to .grad itself.
-        w_acc = None
+        w_acc = w_acc_name = None
         w_kind = "fresh"
     if w_kind == "main_grad":
         _check_main_grad(weight)
@@ -188,8 +214,7 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
         _check_main_grad(bias)
     # multi-precision accumulators whenever the destination is main_grad or a .grad of that
     # dtype, or the parameter itself has it (float32 for float32/bf16/fp16 inputs)
-    mp = w_kind == "main_grad" or (w_acc is not None and ops._dtype_name(w_acc.dtype) == mp_name) \
-        or ops._dtype_name(weight.dtype) == mp_name
+    mp = w_kind == "main_grad" or w_acc_name == mp_name or _dtname(weight.dtype) == mp_name
 
     dw = db = None
     if want_w:
@@ -198,8 +223,7 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
         else:
             # The bias rides along in the same op call when its accumulator can be the
             # multi-precision type (main_grad or fresh) and the weight's is that type too.
-            fuse_bias = want_b and b_kind != "grad" and (
-                w_acc is None or ops._dtype_name(w_acc.dtype) == mp_name)
+            fuse_bias = want_b and b_kind != "grad" and w_acc_name in (None, mp_name)
             dw, db = ops.fused_linear_param_grad_add(
                 x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias)
     if want_b and db is None:
@@ -223,7 +247,7 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
     if want_b:
         if b_kind == "main_grad":
             if bias.main_grad is None:
-                bias.main_grad = db if ops._dtype_name(db.dtype) == mp_name else db.astype(mp_name)
+                bias.main_grad = db if _dtname(db.dtype) == mp_name else db.astype(mp_name)
         elif b_kind == "fresh":
             out_b = db if db.dtype == bias.dtype else db.astype(bias.dtype)
     return out_w, out_b

@@ -448,3 +448,27 @@ def test_graph_copies_run_any_number_of_times():
 
     plain, ours = _both(scenario)
     _close(ours, plain, "copies")
+
+
+def _recompute_grad_scenario(reentrant, create_graph):
+    from paddle.distributed.fleet.utils import recompute
+
+    rs = np.random.RandomState(2)
+    l1, l2 = paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 3)
+    x = paddle.to_tensor(rs.standard_normal([5, 4]).astype("float32"))
+    x.stop_gradient = False
+    y = recompute(lambda t: l2(paddle.tanh(l1(t))), x, use_reentrant=reentrant,
+                  preserve_rng_state=False)
+    grads = paddle.grad((y ** 2).sum(), [x, l1.weight], create_graph=create_graph)
+    return {"grads": [_np(g) for g in grads],
+            "state": {"l1": _params_state(l1), "l2": _params_state(l2)}}
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["grad", "create_graph"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_paddle_grad_through_recompute(reentrant, create_graph):
+    """paddle.grad through Paddle's recompute with both of paddle_mgrad's features on (our
+    recompute, the fused linears inside it, recomputed in the functional pass): plain
+    Paddle's result -- or, reentrant, the same error (its PyLayer's inputs are detached)."""
+    plain, ours = _both(_recompute_grad_scenario, reentrant, create_graph, recompute=True)
+    _close(ours, plain, "recompute")
