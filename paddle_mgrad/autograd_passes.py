@@ -90,7 +90,7 @@ class NodeGuard:
 
 def stash_guard(ctx):
     """In a PyLayer's forward: make the node's guard (``ctx.guard``) for ``apply`` to attach."""
-    guard = NodeGuard(type(ctx).__name__.replace("_backward", ""))
+    guard = NodeGuard(type(ctx)._forward_cls.__name__)
     ctx.guard = guard
     _pending.guard = guard
 

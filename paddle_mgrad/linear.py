@@ -163,9 +163,10 @@ def _input_grad(dy, weight, transpose_weight, x_dtype):
     """``dx``: ``dy · Wᵀ`` (``dy · W`` for a transposed ``[N, K]`` weight) in ``dy``'s dtype
     (the weight cast to it, as autocast did in forward), returned in ``x``'s dtype.
     Differentiable (create_graph)."""
-    w = weight if weight.dtype == dy.dtype else weight.astype(dy.dtype)
+    dy_name = _dtname(dy.dtype)
+    w = weight if _dtname(weight.dtype) == dy_name else weight.astype(dy.dtype)
     dx = paddle.matmul(dy, w, transpose_y=not transpose_weight)
-    return dx if dx.dtype == x_dtype else dx.astype(x_dtype)
+    return dx if dy_name == _dtname(x_dtype) else dx.astype(x_dtype)
 
 
 def _plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
