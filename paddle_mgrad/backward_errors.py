@@ -1,4 +1,5 @@
-"""Deliver our errors raised inside Paddle's backward engine with their own type.
+"""Wrappers of Paddle's backward entry points: our errors keep their type, and our PyLayers
+know which kind of pass runs them.
 
 Recomputation (from an unpack hook) and our PyLayers' backward (the fused
 linear's weight-gradient op) run inside Paddle's C++ backward engine, which
@@ -6,10 +7,20 @@ turns any Python exception into ``OSError: (External) ...`` and, on Paddle 2.6
 and 3.x alike, leaves grad mode *disabled* after the failed backward.  We
 record a :class:`~paddle_mgrad.RecomputeError` or
 :class:`~paddle_mgrad.FusedLinearError` before raising it, and thin wrappers
-around ``Tensor.backward`` and ``paddle.autograd.backward`` re-raise the
-recorded error (chained to Paddle's) and switch grad mode back on.  The
-wrappers are pass-throughs otherwise; they are registry entries
-(``Tensor.backward``, ``autograd.backward`` in :mod:`paddle_mgrad.registry`)
+around ``Tensor.backward`` and ``paddle.autograd.backward`` (and, through
+:func:`run`, ``paddle.grad``: :mod:`paddle_mgrad.autograd_passes`) re-raise the
+recorded error (chained to Paddle's) and switch grad mode back on.
+
+Each wrapper also pushes the kind of pass it starts on a per-thread stack that
+:func:`current_pass` reads: ``None`` for an ordinary ``backward()`` (gradients
+accumulate into ``.grad`` / ``main_grad``), or the
+:class:`~paddle_mgrad.autograd_passes.FunctionalPass` of a ``paddle.grad`` call
+(gradients are only returned).  A backward nested in another (Paddle's reentrant
+recompute runs ``paddle.autograd.backward`` inside its PyLayer's backward) pushes
+its own kind and pops it on return.
+
+The wrappers are pass-throughs otherwise; they are registry entries
+(``Tensor.backward``, ``autograd.backward``, ``grad`` in :mod:`paddle_mgrad.registry`)
 installed by the first recompute call or fused-linear forward and removed by
 :func:`paddle_mgrad.disable`.
 """
@@ -29,35 +40,56 @@ def record(error: BaseException):
         _state.error = error
 
 
+def current_pass():
+    """The innermost running pass of this thread: None (ordinary ``backward()``, or no
+    wrapped pass at all) or the functional pass object of a ``paddle.grad`` call."""
+    stack = getattr(_state, "passes", None)
+    return stack[-1] if stack else None
+
+
+def run(orig, args, kwargs, kind=None):
+    """Call ``orig`` (a backward entry point) as a pass of ``kind`` (see module doc),
+    re-raising an error recorded during it as itself."""
+    depth = getattr(_state, "depth", 0)
+    if depth == 0:
+        _state.error = None
+    _state.depth = depth + 1
+    stack = getattr(_state, "passes", None)
+    if stack is None:
+        stack = _state.passes = []
+    stack.append(kind)
+    has_grad = tracer()._has_grad
+    try:
+        return orig(*args, **kwargs)
+    except Exception as e:
+        err = getattr(_state, "error", None)
+        if err is None or e is err:
+            raise
+        tracer()._has_grad = has_grad
+        raise err from e
+    finally:
+        stack.pop()
+        _state.depth = depth
+        if depth == 0:
+            _state.error = None
+
+
 def wrap(orig):
-    """``orig`` (a backward entry point) re-raising the recorded error."""
+    """``orig`` (``Tensor.backward`` / ``paddle.autograd.backward``) as an ordinary pass
+    re-raising the recorded error."""
 
     @functools.wraps(orig)
     def backward(*args, **kwargs):
-        depth = getattr(_state, "depth", 0)
-        if depth == 0:
-            _state.error = None
-        _state.depth = depth + 1
-        has_grad = tracer()._has_grad
-        try:
-            return orig(*args, **kwargs)
-        except Exception as e:
-            err = getattr(_state, "error", None)
-            if err is None or e is err:
-                raise
-            tracer()._has_grad = has_grad
-            raise err from e
-        finally:
-            _state.depth = depth
-            if depth == 0:
-                _state.error = None
+        return run(orig, args, kwargs, None)
 
     backward.__wrapped_by_paddle_mgrad__ = True
     return backward
 
 
+_KEYS = ("Tensor.backward", "autograd.backward", "grad")
+
+
 def install():
     """Install the wrappers (first recompute call or fused-linear forward; idempotent)."""
-    if not (registry.is_installed("Tensor.backward")
-            and registry.is_installed("autograd.backward")):  # skip the lock once installed
-        registry.ensure("Tensor.backward", "autograd.backward")
+    if not all(registry.is_installed(k) for k in _KEYS):  # skip the lock once installed
+        registry.ensure(*_KEYS)

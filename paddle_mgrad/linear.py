@@ -1,15 +1,26 @@
 """A linear layer whose weight/bias gradients accumulate in place into fp32 ``main_grad``.
 
-Forward is Paddle's own ``linear``.  Backward computes ``dx = dy · Wᵀ`` and, for
-each of weight and bias that needs a gradient:
+Forward is Paddle's own ``linear``.  In an ordinary ``backward()`` the PyLayer computes
+``dx = dy · Wᵀ`` and, for each of weight and bias that needs a gradient:
 
 * if the parameter has a ``main_grad`` attribute (``--amp_master_grad``,
   ``MixPrecisionLayer``): the fused op accumulates ``xᵀ·dy`` (beta = 1) straight
-  into it, allocating it in fp32 **on the real parameter** when it is ``None``
-  (first micro-step); the PyLayer returns ``None`` for that gradient, so
+  into it, allocating it **on the real parameter** when it is ``None`` (first
+  micro-step) in the parameter's master-gradient dtype ``ops.mp_dtype`` (float32;
+  float64 for float64 parameters); the PyLayer returns ``None`` for that gradient, so
   ``param.grad`` stays ``None`` and the parameter's hooks still fire once;
-* otherwise, if ``param.grad`` exists: the op accumulates into it in place;
-* otherwise: a fresh gradient is returned (in the parameter's dtype).
+* otherwise, if ``param.grad`` exists: the op accumulates into it in place (and clears
+  Paddle's "fake empty" mark that ``clear_grad(set_to_zero=True)`` leaves, see
+  :func:`_written`);
+* otherwise -- or when the parameter has a user gradient hook (:mod:`.param_hooks`),
+  which must see the gradient and may replace it -- a fresh gradient is returned (in the
+  parameter's dtype) and Paddle accumulates it as without us.
+
+In a ``paddle.grad`` pass (:mod:`.autograd_passes`) it returns plain gradients exactly
+at the slots Paddle wants, computed with differentiable Paddle ops (double backward), and
+touches neither ``.grad`` nor ``main_grad``.  Under ``auto_cast`` O1 the product may run in
+bf16/fp16 for float32 ``x``/weight: ``dx`` is computed in ``dy``'s dtype and returned in
+``x``'s, the weight gradient from ``x`` cast as the forward cast it.
 
 Recompute-proof: only ``x`` goes through ``ctx.save_for_backward`` (so that
 recompute may drop it); the parameters are kept on ``ctx`` as Python
@@ -20,7 +31,7 @@ Holding the parameter costs nothing: the model holds it anyway.
 """
 from __future__ import annotations
 
-from . import backward_errors, ops, stats
+from . import autograd_passes, backward_errors, ops, param_hooks, registry, stats
 from ._compat import is_tensor, paddle, tracer
 from .errors import FusedLinearError
 from .registry import original
@@ -38,7 +49,12 @@ def _wants_grad(p) -> bool:
 
 
 def _accumulator(p):
-    """Where p's gradient goes: ('main_grad', t|None), ('grad', t) or ('fresh', None)."""
+    """Where p's gradient goes: ('main_grad', t|None), ('grad', t) or ('fresh', None).
+
+    A parameter with a user gradient hook (:mod:`.param_hooks`) gets a fresh gradient:
+    Paddle hands it to the hooks and accumulates the hooks' result, as without us."""
+    if param_hooks.has_user_hooks(p):
+        return "fresh", None
     if hasattr(p, "main_grad"):
         return "main_grad", p.main_grad
     g = p.grad
@@ -47,13 +63,45 @@ def _accumulator(p):
     return "fresh", None
 
 
+def _written(p):
+    """``p.grad`` was accumulated in place: it is no longer "fake empty".
+
+    ``clear_grad(set_to_zero=True)`` (the optimizers' default) zero-fills ``.grad`` and marks
+    the parameter's accumulation node *fake empty*: the next gradient Paddle accumulates
+    *replaces* ``.grad`` instead of adding to it.  When the parameter also gets a gradient
+    from another op (a weight shared with a matmul, a tied embedding, a double backward),
+    that replacement would drop what we just added in place -- so we clear the mark."""
+    unset = getattr(p, "_unset_fake_empty", None)
+    if unset is not None:
+        unset()
+
+
+_DTYPE_NAMES: dict = {}  # a dtype's enum value -> its name
+
+
+def _dtname(dtype) -> str:
+    """``ops._dtype_name`` through a cache: ``str()`` of a Paddle dtype costs microseconds
+    (Python-level on 3.x), and the backward asks several times per call."""
+    key = dtype.value
+    name = _DTYPE_NAMES.get(key)
+    if name is None:
+        name = _DTYPE_NAMES[key] = ops._dtype_name(dtype)
+    return name
+
+
 def _check_main_grad(p):
-    """``p.main_grad`` must be None (allocated by the first backward) or float32."""
+    """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
+    master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
+    parameter: the op's accumulator rule (``ops.acc_dtypes``), the dtype the first backward
+    allocates."""
     mg = getattr(p, "main_grad", None)
-    if mg is not None and mg.dtype != paddle.float32:
+    if mg is None:
+        return
+    want = ops.mp_dtype(_dtname(p.dtype))
+    if _dtname(mg.dtype) != want:
         raise FusedLinearError(
-            f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected float32 "
-            "(fp32 master gradient)")
+            f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
+            f"(the master gradient of a {_dtname(p.dtype)} parameter)")
 
 
 def _check_main_grads(weight, bias):
@@ -73,7 +121,10 @@ def _stash_for_backward(ctx, x, weight, bias):
     as the real objects, out of reach of saved-tensor hooks (module docstring).
     """
     _check_main_grads(weight, bias)
-    backward_errors.install()  # a FusedLinearError in backward keeps its type
+    backward_errors.install()  # a FusedLinearError in backward keeps its type; paddle.grad
+    if not registry.is_installed("Tensor.register_hook"):  # fused_linear without enable()
+        registry.ensure("Tensor.register_hook")
+    autograd_passes.stash_guard(ctx)
     ctx.save_for_backward(x)
     ctx.weight = weight
     ctx.bias = bias
@@ -93,63 +144,130 @@ def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
         raise
 
 
+def _compute_dtypes(x, dy):
+    """``x`` and ``dy`` in the dtype the forward product ran in.
+
+    They differ when Paddle's linear ran under ``paddle.amp.auto_cast`` (O1): ``x`` and the
+    weight are float32, the product ran in bf16/fp16 and returned it (matmul is on the white
+    list; no bias), so ``dy`` is bf16/fp16.  The narrower dtype is the product's: ``x`` is
+    cast to it, as autocast cast it in forward.  (A wider ``dy`` -- no autocast does that --
+    is cast to ``x``'s dtype.)"""
+    if _dtname(dy.dtype) == _dtname(x.dtype):
+        return x, dy
+    if dy.element_size() < x.element_size():
+        return x.astype(dy.dtype), dy
+    return x, dy.astype(x.dtype)
+
+
+def _input_grad(dy, weight, transpose_weight, x_dtype):
+    """``dx``: ``dy · Wᵀ`` (``dy · W`` for a transposed ``[N, K]`` weight) in ``dy``'s dtype
+    (the weight cast to it, as autocast did in forward), returned in ``x``'s dtype.
+    Differentiable (create_graph)."""
+    dy_name = _dtname(dy.dtype)
+    w = weight if _dtname(weight.dtype) == dy_name else weight.astype(dy.dtype)
+    dx = paddle.matmul(dy, w, transpose_y=not transpose_weight)
+    return dx if dy_name == _dtname(x_dtype) else dx.astype(x_dtype)
+
+
+def _plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
+    """The weight/bias gradients as Paddle's linear computes them -- new tensors in the
+    parameters' dtypes, nothing accumulated -- from differentiable Paddle ops (a
+    ``paddle.grad`` pass; with create_graph the result has a graph)."""
+    dw = db = None
+    if not (want_w or want_b):
+        return dw, db
+    x, dy = _compute_dtypes(x, dy)
+    dy2 = dy.reshape([-1, dy.shape[-1]])
+    if want_w:
+        x2 = x.reshape([-1, x.shape[-1]])
+        if transpose_weight:  # weight [N, K]: dW = dyᵀ · x
+            dw = paddle.matmul(dy2, x2, transpose_x=True)
+        else:
+            dw = paddle.matmul(x2, dy2, transpose_x=True)
+        if dw.dtype != weight.dtype:
+            dw = dw.astype(weight.dtype)
+    if want_b:
+        db = dy2.sum(axis=0)
+        if db.dtype != bias.dtype:
+            db = db.astype(bias.dtype)
+    return dw, db
+
+
 def _fused_grads(x, dy, weight, bias, transpose_weight):
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
         return None, None
-    if dy.dtype != x.dtype:
-        dy = dy.astype(x.dtype)
+    x, dy = _compute_dtypes(x, dy)
+    x_name = _dtname(x.dtype)
+    mp_name = ops.mp_dtype(x_name)  # the accumulator dtype with multi_precision
     w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
     b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
-    if w_kind == "grad" and ops._dtype_name(w_acc.dtype) not in ops.acc_dtypes(x.dtype, False):
+    w_acc_name = _dtname(w_acc.dtype) if w_acc is not None else None
+    if w_kind == "grad" and w_acc_name not in ops.acc_dtypes(x_name, False):
         # The op's accumulator rule (ops.acc_dtypes: the input dtype or its multi-precision
         # type -- float64 only for float64 inputs) refuses this .grad: return a fresh
         # gradient instead, which Paddle adds to .grad itself.
-        w_acc = None
+        w_acc = w_acc_name = None
         w_kind = "fresh"
     if w_kind == "main_grad":
         _check_main_grad(weight)
     if b_kind == "main_grad":
         _check_main_grad(bias)
-    # fp32 accumulators whenever the destination is main_grad or an fp32 .grad.
-    mp = w_kind == "main_grad" or (w_acc is not None and w_acc.dtype == paddle.float32) \
-        or weight.dtype == paddle.float32
+    # multi-precision accumulators whenever the destination is main_grad or a .grad of that
+    # dtype, or the parameter itself has it (float32 for float32/bf16/fp16 inputs)
+    mp = w_kind == "main_grad" or w_acc_name == mp_name or _dtname(weight.dtype) == mp_name
 
     dw = db = None
     if want_w:
         if transpose_weight:  # weight [N, K]: dW = dyᵀ · x
             dw, _ = ops.fused_linear_param_grad_add(dy, x, w_acc, None, mp, False)
         else:
-            # The bias rides along in the same op call when its accumulator can be fp32
-            # (main_grad or fresh) and the weight's accumulator is fp32 too.
-            fuse_bias = want_b and b_kind != "grad" and (w_acc is None or w_acc.dtype == paddle.float32)
+            # The bias rides along in the same op call when its accumulator can be the
+            # multi-precision type (main_grad or fresh) and the weight's is that type too.
+            fuse_bias = want_b and b_kind != "grad" and w_acc_name in (None, mp_name)
             dw, db = ops.fused_linear_param_grad_add(
                 x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias)
     if want_b and db is None:
-        db = dy.reshape([-1, dy.shape[-1]]).astype(ops.mp_dtype(dy.dtype)).sum(axis=0)
+        db = dy.reshape([-1, dy.shape[-1]]).astype(mp_name).sum(axis=0)
         if b_acc is not None:
             b_acc.add_(db.astype(b_acc.dtype))
             db = b_acc
 
+    for p, kind in ((weight, w_kind), (bias, b_kind)):
+        if kind == "grad":
+            _written(p)
     stats.fused_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
     stats.bump(stats.linear, "into_main_grad", (w_kind == "main_grad") + (b_kind == "main_grad"))
     out_w = out_b = None
     if want_w:
         if w_kind == "main_grad":
             if weight.main_grad is None:
-                weight.main_grad = dw  # first micro-step: fp32, on the real parameter
+                weight.main_grad = dw  # first micro-step: mp dtype, on the real parameter
         elif w_kind == "fresh":
             out_w = dw if dw.dtype == weight.dtype else dw.astype(weight.dtype)
     if want_b:
         if b_kind == "main_grad":
             if bias.main_grad is None:
-                bias.main_grad = db if db.dtype == paddle.float32 else db.astype("float32")
+                bias.main_grad = db if _dtname(db.dtype) == mp_name else db.astype(mp_name)
         elif b_kind == "fresh":
             out_b = db if db.dtype == bias.dtype else db.astype(bias.dtype)
     return out_w, out_b
 
 
-class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
+def functional_grads(ctx, x, dy, fpass, dx_fn):
+    """Our linears' backward in a ``paddle.grad`` pass (:mod:`.autograd_passes`): plain
+    gradients exactly at the slots Paddle wants, ``.grad``/``main_grad`` untouched.
+    ``dx_fn()`` computes the input gradient (the overlap linears add their collective)."""
+    weight, bias = ctx.weight, ctx.bias  # the forward's tensors: the graph's own edges
+    need = fpass.slots(ctx.guard, 2 if bias is None else 3)
+    stats.bump(stats.linear, "functional_backward")
+    dx = dx_fn() if need[0] else None
+    dw, db = _plain_param_grads(x, dy, weight, bias, getattr(ctx, "transpose_weight", False),
+                                need[1], bias is not None and need[2])
+    return (dx, dw) if bias is None else (dx, dw, db)
+
+
+class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc)."""
 
     @staticmethod
@@ -168,6 +286,11 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensor()
+        fpass = backward_errors.current_pass()
+        if fpass is not None:  # paddle.grad: plain gradients, nothing accumulated
+            return functional_grads(
+                ctx, x, dy, fpass,
+                lambda: _input_grad(dy, ctx.weight, ctx.transpose_weight, x.dtype))
         # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
         # enable(fused_linear=True) tags it with the real parameter (ORIGIN).
         weight = getattr(ctx.weight, ORIGIN, ctx.weight)
@@ -175,9 +298,10 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
         stats.bump(stats.linear, "backward")
         dx = None
         if ctx.x_needs_grad:
-            dx = paddle.matmul(dy, weight, transpose_y=not ctx.transpose_weight)
+            dx = _input_grad(dy, weight, ctx.transpose_weight, x.dtype)
         with paddle.no_grad():
             dw, db = _weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight)
+        autograd_passes.ran(ctx)
         if bias is None:
             return dx, dw
         return dx, dw, db

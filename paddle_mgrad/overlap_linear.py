@@ -21,16 +21,16 @@ here explicitly, as in Paddle), so it is not called.
 """
 from __future__ import annotations
 
-from . import stats
+from . import autograd_passes, backward_errors, stats
 from ._compat import paddle
 from .collective_overlap import let_collective_start
-from .linear import _stash_for_backward, _weight_and_bias_grads
+from .linear import _stash_for_backward, _weight_and_bias_grads, functional_grads
 from .registry import original
 
 __all__ = ["OverlapLinearWithGradAdd", "replace"]
 
 
-class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
+class OverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """Drop-in for fleet's ``InnerOverlapLinear`` (see module docstring)."""
 
     @staticmethod
@@ -45,19 +45,31 @@ class OverlapLinearWithGradAdd(paddle.autograd.PyLayer):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensor()
         weight, bias = ctx.weight, ctx.bias
+        fpass = backward_errors.current_pass()
+        if fpass is not None:  # paddle.grad: plain gradients, nothing accumulated
+            def dx_fn():
+                dx = input_grad(dy, weight)
+                paddle.distributed.all_reduce(dx, group=ctx.group)
+                return dx
+
+            return functional_grads(ctx, x, dy, fpass, dx_fn)
         stats.bump(stats.linear, "overlap_backward")
         dx = task = None
         if ctx.x_needs_grad:
             dx = input_grad(dy, weight)
             # the column-parallel input gradient: summed over the group while dW runs
             task = paddle.distributed.all_reduce(dx, group=ctx.group, sync_op=False)
-        return grads_while(task, dx, x, dy, weight, bias)
+        out = grads_while(task, dx, x, dy, weight, bias)
+        autograd_passes.ran(ctx)
+        return out
 
 
 def forward_matmul(x, weight, bias, fuse_matmul_bias):
     """The forward product of both overlap linears, as fleet computes it: Paddle's GPU
-    ``fused_gemm_epilogue`` when ``fuse_matmul_bias``, else Paddle's own (unpatched) ``linear``."""
-    if fuse_matmul_bias:
+    ``fused_gemm_epilogue`` when ``fuse_matmul_bias``, else Paddle's own (unpatched) ``linear``.
+    Without a bias there is no epilogue to fuse (and ``fused_gemm_epilogue(x, w, None)``
+    fails, in Paddle too): Paddle's ``linear``, the same product."""
+    if fuse_matmul_bias and bias is not None:
         return paddle._legacy_C_ops.fused_gemm_epilogue(x, weight, bias)
     return original("linear")(x, weight, bias)
 

@@ -122,6 +122,19 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "attr", "paddle_mgrad.backward_errors:wrap",
         "As Tensor.backward, for paddle.autograd.backward."),
     Replacement(
+        "grad", "support", "paddle.base.dygraph.base", "grad.__wrapped__",
+        "code", "paddle_mgrad.autograd_passes:_paddle_grad_trampoline",
+        "paddle.grad runs a copy of the graph and wants gradients only at the slots that lead "
+        "to its inputs, without touching .grad/main_grad (differentiable with create_graph): "
+        "the wrapper tells our PyLayers' backward it runs such a functional pass, and refuses "
+        "a graph holding a PyLayer node a backward() already ran (Paddle would segfault)."),
+    Replacement(
+        "Tensor.register_hook", "fused_linear", "paddle", "Tensor.register_hook",
+        "attr", "paddle_mgrad.param_hooks:wrap_register_hook",
+        "The fused linear returns None for a weight/bias gradient it accumulated in place, so "
+        "a user hook would see None (3.x) or an uninitialized tensor (2.6: heap corruption); "
+        "the wrapper counts user hooks so that such parameters get the plain gradient."),
+    Replacement(
         "_C_ops.fused_linear_param_grad_add", "fused_linear", "paddle._C_ops",
         "fused_linear_param_grad_add", "attr", "paddle_mgrad.c_ops:wrap_fused_linear_param_grad_add",
         "Paddle's op has no CPU kernel ('not registered'), so PaddleNLP's own llm/fused_layers.py "

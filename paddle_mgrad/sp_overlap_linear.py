@@ -25,10 +25,10 @@ as in our linear).  The collectives are looked up at call time
 """
 from __future__ import annotations
 
-from . import stats
+from . import autograd_passes, backward_errors, stats
 from ._compat import paddle
 from .collective_overlap import let_collective_start
-from .linear import _check_main_grads, _stash_for_backward
+from .linear import _check_main_grads, _plain_param_grads, _stash_for_backward
 from .overlap_linear import forward_matmul, grads_while, input_grad
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]
@@ -40,7 +40,7 @@ def _sp_utils():
     return sequence_parallel_utils
 
 
-class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
+class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """Drop-in for fleet's ``SPInnerOverlapLinear`` (see module docstring)."""
 
     @staticmethod
@@ -61,7 +61,10 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
         (saved,) = ctx.saved_tensor()
         weight, bias, group = ctx.weight, ctx.bias, ctx.group
         nranks = group.nranks
-        stats.bump(stats.linear, "sp_overlap_backward")
+        # paddle.grad: plain gradients at the slots Paddle wants, nothing accumulated
+        fpass = backward_errors.current_pass()
+        need = None if fpass is None else fpass.slots(ctx.guard, 2 if bias is None else 3)
+        stats.bump(stats.linear, "sp_overlap_backward" if need is None else "functional_backward")
         gather_task = None
         if ctx.recompute_allgather:
             shape = list(saved.shape)
@@ -73,7 +76,7 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
         else:
             input_parallel = saved
         dx = task = None
-        if ctx.x_needs_grad:
+        if (ctx.x_needs_grad if need is None else need[0]):
             dinput_parallel = input_grad(dy, weight)
             if gather_task is not None:  # as Paddle: one collective in flight at a time
                 gather_task.wait()
@@ -91,7 +94,15 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
                 sync_op=False)
         if gather_task is not None:
             gather_task.wait()
-        return grads_while(task, dx, input_parallel, dy, weight, bias)
+        if need is not None:
+            if task is not None and hasattr(task, "wait"):
+                task.wait()
+            dw, db = _plain_param_grads(input_parallel, dy, weight, bias, False, need[1],
+                                        bias is not None and need[2])
+            return (dx, dw) if bias is None else (dx, dw, db)
+        out = grads_while(task, dx, input_parallel, dy, weight, bias)
+        autograd_passes.ran(ctx)
+        return out
 
 
 def replace(original_class):

@@ -18,11 +18,12 @@ _lock = threading.Lock()
 recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0}
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the
-#: op accumulated into main_grad, and of those the zero-bubble deferred weight gradients
-#: (``zero_bubble``: Paddle 3.x ``WeightGradStore``, ours)
+#: op accumulated into main_grad, of those the zero-bubble deferred weight gradients
+#: (``zero_bubble``: Paddle 3.x ``WeightGradStore``, ours), and backwards of any of them in a
+#: ``paddle.grad`` pass (``functional_backward``: plain gradients, nothing accumulated)
 linear = {"forward": 0, "backward": 0, "overlap_forward": 0, "overlap_backward": 0,
           "sp_overlap_forward": 0, "sp_overlap_backward": 0, "into_main_grad": 0,
-          "zero_bubble": 0}
+          "zero_bubble": 0, "functional_backward": 0}
 #: calls of ``paddle._C_ops.fused_linear_param_grad_add`` while fused_linear is on: run by our
 #: op (CPU tensors) or handed to Paddle's own kernel (places where Paddle has one)
 paddle_c_ops = {"ours": 0, "paddle": 0}

@@ -386,3 +386,148 @@ def test_grad_accumulator_dtype_rule(x_dtype, grad_dtype, in_place):
         if x_dtype in ("bfloat16", "float16"):
             tol = 2e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------- issue 15 / 19 linear items
+def _autocast_fake(orig):
+    """Paddle's linear as ``auto_cast`` O1 runs it, with another product dtype: CPU Paddle has
+    no bf16/fp16 matmul kernel, so the product runs in float64 for float32 x/weight (the
+    dtype differs from x's, as bf16 does on GPU) -- in plain Paddle the casts are recorded."""
+
+    def linear(x, weight, bias=None, name=None):
+        return orig(x.astype("float64"), weight.astype("float64"),
+                    None if bias is None else bias.astype("float64"))
+
+    return linear
+
+
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_autocast_product_dtype_differs_from_x(monkeypatch, bias, main_grad):
+    """AMP O1: Paddle's linear returns the autocast dtype for float32 x/weight (bf16 on GPU,
+    no bias), so dy is not x's dtype; the input gradient must be computed in dy's dtype and
+    returned in x's (before: matmul(dy, float32 weight) -> dtype error).  Same script as plain
+    Paddle with the same (faked) autocast: x.grad, .grad / main_grad equal."""
+    from paddle_mgrad import registry
+
+    fake = _autocast_fake(registry.original("linear"))
+    rs = np.random.RandomState(4)
+    data = [rs.standard_normal([2, 3, 5]).astype("float32") for _ in range(2)]
+
+    def run(linear):
+        paddle.seed(5)
+        lin = paddle.nn.Linear(5, 4, bias_attr=None if bias else False)
+        if main_grad:
+            MixPrecisionLayer(lin, dtype="bfloat16")
+        dxs = []
+        for a in data:
+            x = paddle.to_tensor(a)
+            x.stop_gradient = False
+            y = linear(x, lin.weight, lin.bias)
+            assert y.dtype == paddle.float64
+            (y * y).sum().backward()
+            assert x.grad.dtype == paddle.float32
+            dxs.append(x.grad.numpy())
+        acc = [(p.main_grad if main_grad else p.grad).numpy() for p in lin.parameters()]
+        return dxs, acc
+
+    plain = run(fake)
+    monkeypatch.setitem(registry._copies, "linear", fake)  # what our PyLayer's forward calls
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    before = stats.linear["backward"]
+    try:
+        ours = run(paddle.nn.functional.linear)
+    finally:
+        paddle_mgrad.disable()
+    assert stats.linear["backward"] - before == 2
+    for a, b in zip(ours[0] + ours[1], plain[0] + plain[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_half_dy_weight_gradient_uses_the_autocast_product():
+    """dy bf16 for float32 x (AMP O1 on GPU): the weight gradient is that of the product the
+    forward ran -- x cast to bf16, as autocast cast it -- accumulated in fp32 main_grad."""
+    from paddle_mgrad.linear import _weight_and_bias_grads
+
+    rs = np.random.RandomState(8)
+    x = paddle.to_tensor(rs.standard_normal([6, 5]).astype("float32"))
+    dy = paddle.to_tensor(rs.standard_normal([6, 3]).astype("float32")).astype("bfloat16")
+    w = paddle.create_parameter([5, 3], "float32")
+    b = paddle.create_parameter([3], "float32", is_bias=True)
+    w.main_grad = None
+    b.main_grad = None
+    with paddle.no_grad():
+        assert _weight_and_bias_grads(x, dy, w, b, False) == (None, None)
+    xb = x.astype("bfloat16").astype("float64").numpy()
+    dyb = dy.astype("float64").numpy()
+    assert w.main_grad.dtype == paddle.float32 and b.main_grad.dtype == paddle.float32
+    np.testing.assert_allclose(w.main_grad.numpy(), xb.T @ dyb, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b.main_grad.numpy(), dyb.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_float64_parameter_main_grad_follows_the_accumulator_rule():
+    """One rule everywhere (ops.mp_dtype): a float64 parameter's main_grad is float64 -- the
+    first micro-step allocates it so, the next ones accept it (before: rejected as not
+    float32), and it equals plain Paddle's .grad over the same steps; a float32 main_grad on
+    a float64 parameter is refused with the expected dtype named."""
+    rs = np.random.RandomState(6)
+    data = [rs.standard_normal([4, 5]) for _ in range(3)]
+
+    def run(ours):
+        paddle.seed(2)
+        w = paddle.create_parameter([5, 3], "float64")
+        b = paddle.create_parameter([3], "float64", is_bias=True)
+        if ours:
+            w.main_grad = None
+            b.main_grad = None
+        for a in data:
+            x = paddle.to_tensor(a)
+            y = (fused_linear if ours else paddle.nn.functional.linear)(x, w, b)
+            (y * y).sum().backward()
+        return w, b
+
+    pw, pb = run(False)
+    w, b = run(True)
+    assert w.grad is None and b.grad is None
+    assert w.main_grad.dtype == paddle.float64 and b.main_grad.dtype == paddle.float64
+    np.testing.assert_allclose(w.main_grad.numpy(), pw.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(b.main_grad.numpy(), pb.grad.numpy(), rtol=1e-12, atol=1e-12)
+    w.main_grad = paddle.zeros([5, 3], "float32")
+    with pytest.raises(FusedLinearError, match=r"main_grad is paddle\.float32 \[5, 3\], expected float64"):
+        fused_linear(paddle.to_tensor(data[0]), w, b)
+
+
+@pytest.mark.parametrize("set_to_zero", [True, False], ids=["zero", "none"])
+@pytest.mark.parametrize("other_use", ["matmul", "second_linear"])
+def test_shared_weight_after_clear_grad(set_to_zero, other_use):
+    """A weight used by the fused linear and by another op, optimizer.clear_grad() between
+    steps: .grad equals plain Paddle's every step.  clear_grad(set_to_zero=True) (the default)
+    marks .grad "fake empty", so Paddle *replaces* it with the next gradient it accumulates --
+    before the fix that dropped the dW the fused op had just added in place (half the
+    gradient, silently)."""
+
+    def run(ours):
+        if ours:
+            paddle_mgrad.enable(recompute=False, fused_linear=True)
+        try:
+            paddle.seed(4)
+            lin = paddle.nn.Linear(4, 4)
+            opt = paddle.optimizer.SGD(0.0, parameters=lin.parameters())
+            grads = []
+            for step in range(3):
+                x = paddle.to_tensor(np.full([2, 4], step + 1.0, "float32"))
+                h = lin(x)
+                z = paddle.matmul(h, lin.weight) if other_use == "matmul" else \
+                    paddle.nn.functional.linear(paddle.tanh(h), lin.weight)
+                (z * z).sum().backward()
+                grads.append([p.grad.numpy() for p in lin.parameters()])
+                opt.clear_grad(set_to_zero=set_to_zero)
+            return grads
+        finally:
+            paddle_mgrad.disable()
+
+    plain, ours = run(False), run(True)
+    for step, (a, b) in enumerate(zip(ours, plain)):
+        for ga, gb in zip(a, b):
+            np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-5 * np.abs(gb).max(),
+                                       err_msg=f"step {step}")

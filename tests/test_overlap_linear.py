@@ -138,3 +138,48 @@ def test_non_fp32_main_grad_is_refused_in_forward(reduced, which, dtype):
         _apply(mp_layers.InnerOverlapLinear, x, layer, True)
     assert stats.linear["overlap_forward"] == 0 and not reduced
     assert bad.astype("float32").abs().sum().item() == 0
+
+
+def test_fuse_matmul_bias_without_bias_falls_back_to_linear(reduced):
+    """fuse_matmul_bias with no bias: no epilogue to fuse, and fused_gemm_epilogue(x, w, None)
+    fails (in Paddle too) -- Paddle's linear computes the same product; gradients as usual."""
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    layer = paddle.nn.Linear(8, 6, bias_attr=False)
+    MixPrecisionLayer(layer, dtype="bfloat16")
+    rs = np.random.RandomState(3)
+    x_np = rs.standard_normal((2, 5, 8)).astype("float32")
+    x = paddle.to_tensor(x_np)
+    x.stop_gradient = False
+    y = mp_layers.InnerOverlapLinear.apply(x, layer.weight, None, True, True, True, False, Group)
+    w64 = layer.weight.numpy().astype("f8")
+    np.testing.assert_allclose(y.numpy(), x_np @ w64, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), np.ones((2, 5, 6)) @ w64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer.weight.main_grad.numpy(),
+                               x_np.reshape(-1, 8).T.astype("f8") @ np.ones((10, 6)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wrt", ["x", "weight", "x+bias"])
+def test_paddle_grad_returns_plain_gradients(reduced, wrt):
+    """paddle.grad through the overlap linear: the gradients asked for (dx all-reduced),
+    None-free for the others, main_grad untouched (before: 'should return None at k
+    position' from Paddle, or main_grad written)."""
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    layer = paddle.nn.Linear(8, 6)
+    MixPrecisionLayer(layer, dtype="bfloat16")
+    rs = np.random.RandomState(4)
+    x_np = rs.standard_normal((5, 8)).astype("float32")
+    x = paddle.to_tensor(x_np)
+    x.stop_gradient = False
+    y = _apply(mp_layers.InnerOverlapLinear, x, layer, False)
+    inputs = {"x": [x], "weight": [layer.weight], "x+bias": [x, layer.bias]}[wrt]
+    grads = paddle.grad((y * y).sum(), inputs)
+    dy = 2 * (x_np.astype("f8") @ layer.weight.numpy().astype("f8") + layer.bias.numpy())
+    want = {"x": dy @ layer.weight.numpy().astype("f8").T, "bias": dy.sum(0),
+            "weight": x_np.T.astype("f8") @ dy}
+    for name, g in zip(wrt.split("+"), grads):
+        np.testing.assert_allclose(g.numpy(), want[name], rtol=1e-5, atol=1e-4)
+    assert bool(reduced) == ("x" in wrt.split("+"))  # dx all-reduced only when asked for
+    assert layer.weight.main_grad is None and layer.bias.main_grad is None
+    assert layer.weight.grad is None and layer.bias.grad is None

@@ -1,0 +1,243 @@
+"""``paddle.grad``, double backward and a second backward through paddle_mgrad's PyLayers.
+
+Our linears (:class:`~paddle_mgrad.FusedLinearWithGradAdd` and the overlap linears) are
+``PyLayer``\\ s whose ordinary backward accumulates the weight/bias gradients in place
+(``main_grad`` / ``.grad``) and returns None for them.  Two kinds of pass reach them:
+
+* **ordinary** -- ``Tensor.backward`` / ``paddle.autograd.backward``: Paddle runs the graph's
+  own nodes; the in-place path is what makes the fused linear fast.
+* **functional** -- ``paddle.grad`` (and everything built on it): Paddle's ``GeneralGrad``
+  runs a *copy* of the graph and marks as stop-gradient every input slot of a node whose
+  edge does not lead to one of the requested ``inputs`` (``ModifyBackwardGraph``: a
+  needed node's edge to a node that is not needed, or to a ``no_grad_vars`` tensor).  A
+  PyLayer's backward must return None exactly at those slots ("should return None at k
+  position, because it's forward Tensor's stopgradient is true"), and a gradient at the
+  others; it must not touch ``.grad``/``main_grad`` (plain Paddle does not); with
+  ``create_graph`` its computation must be differentiable (Paddle runs the backward with
+  grad mode on iff ``create_graph``).
+
+:func:`grad` (registry entry ``grad``: the code of ``paddle.grad``'s function, so every
+alias runs it) builds a :class:`FunctionalPass` and runs Paddle's ``paddle.grad`` under it
+(:func:`paddle_mgrad.backward_errors.run`; ordinary passes push None).  Our backward asks
+:func:`paddle_mgrad.backward_errors.current_pass`: None -> the fused in-place path; a
+``FunctionalPass`` -> :meth:`FunctionalPass.slots` says which of its slots Paddle wants
+(the same rule as ``GeneralGrad``, computed once per pass, lazily, on the original graph:
+``grad_fn`` / ``next_functions`` / ``node_ptr``), and it returns Paddle-equal plain
+gradients there, built from ordinary differentiable Paddle ops.
+
+**A node runs once.**  After an ordinary backward ran a PyLayer's node, Paddle releases
+the node's context (``GradNodePyLayer``: ``Py_XDECREF(ctx_); ctx_ = nullptr``, with or
+without ``retain_graph``); a second ordinary backward through the node dereferences it
+(SIGSEGV), and so does ``paddle.grad`` (copying the node increfs the null context).  Plain
+``nn.Linear`` has no such node, so with paddle_mgrad routing every linear through a PyLayer
+this would turn working code into a crash.  :class:`GuardedPyLayer` (base class of our
+PyLayers) registers a :class:`NodeGuard` as a gradient hook on each output: Paddle keeps the
+hook exactly as long as the node, runs it before it touches the context, and copies it into
+``paddle.grad``'s copies.  The guard knows the node's address; our backward marks it
+consumed when an ordinary pass ran it.  A later ordinary pass reaching it raises
+:class:`~paddle_mgrad.FusedLinearError` from the hook (before the crash); ``paddle.grad``
+checks the graph for consumed nodes before Paddle copies it.  ``paddle.grad`` passes do not
+consume nodes (they run copies), so any number of them, and an ordinary backward after
+them (the gradient-penalty pattern), work.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+from . import backward_errors, registry
+from ._compat import is_tensor, paddle
+from .errors import FusedLinearError
+
+__all__ = ["GuardedPyLayer", "NodeGuard", "FunctionalPass", "stash_guard", "ran", "grad"]
+
+_pending = threading.local()  # the guard made by forward, picked up by apply
+# node address -> weakref to the NodeGuard of a node an ordinary backward already ran;
+# the guard dies with the node (Paddle drops the hook then), so an address is never stale
+_consumed: dict = {}
+
+
+def _reuse_message(layer):
+    return (
+        f"paddle_mgrad: a backward pass reached a {layer} node whose backward already ran in "
+        "an earlier backward() (with retain_graph=True, or a second backward() of the same "
+        "graph). Paddle's PyLayer releases its context after its first backward; running it "
+        "again would crash the process, so paddle_mgrad stops here (plain nn.Linear, which is "
+        "no PyLayer, would accumulate the gradient again). Run the forward again before each "
+        "backward(), use paddle.grad(...) for the earlier passes (it runs a copy of the "
+        "graph), or switch the fused linear off for this model: "
+        "paddle_mgrad.enable(fused_linear=False).")
+
+
+class NodeGuard:
+    """A gradient hook on the output of one of our PyLayer calls (see module doc)."""
+
+    __slots__ = ("ptr", "consumed", "layer", "__weakref__")
+
+    def __init__(self, layer):
+        self.ptr = None  # the graph node's address, set by GuardedPyLayer.apply
+        self.consumed = False
+        self.layer = layer
+
+    def __call__(self, grad):
+        if self.consumed and backward_errors.current_pass() is None:
+            err = FusedLinearError(_reuse_message(self.layer))
+            backward_errors.record(err)
+            raise err
+        return None  # the gradient passes unchanged
+
+
+def stash_guard(ctx):
+    """In a PyLayer's forward: make the node's guard (``ctx.guard``) for ``apply`` to attach."""
+    guard = NodeGuard(type(ctx)._forward_cls.__name__)
+    ctx.guard = guard
+    _pending.guard = guard
+
+
+def _forget(ptr, ref):
+    if _consumed.get(ptr) is ref:
+        del _consumed[ptr]
+
+
+def ran(ctx):
+    """Our backward of ``ctx`` returns from an ordinary pass: Paddle releases the node's
+    context now, so the node must not run again."""
+    guard = getattr(ctx, "guard", None)
+    if guard is None or guard.consumed:
+        return
+    guard.consumed = True
+    if guard.ptr is not None:
+        _consumed[guard.ptr] = weakref.ref(guard, functools.partial(_forget, guard.ptr))
+
+
+class GuardedPyLayer(paddle.autograd.PyLayer):
+    """A ``PyLayer`` whose node carries a :class:`NodeGuard` (forward calls :func:`stash_guard`)."""
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        _pending.guard = None
+        out = super().apply(*args, **kwargs)
+        guard, _pending.guard = getattr(_pending, "guard", None), None
+        if guard is not None and is_tensor(out) and not out.stop_gradient:
+            node = out.grad_fn
+            if node is not None:
+                guard.ptr = node.node_ptr()
+                out._register_grad_hook(guard)
+        return out
+
+
+def _tensor_list(value):
+    if is_tensor(value):
+        return [value]
+    if isinstance(value, (list, tuple, set)):
+        return [t for t in value if is_tensor(t)]
+    return []
+
+
+def _node_ptrs(tensors):
+    out = set()
+    for t in tensors:
+        node = t.grad_fn
+        if node is not None:
+            out.add(node.node_ptr())
+    return out
+
+
+class FunctionalPass:
+    """One ``paddle.grad`` call: which input slots of a node Paddle's ``GeneralGrad`` wants.
+
+    Paddle copies the graph reachable from ``outputs``; a node is *needed* when it is the
+    grad node of one of ``inputs`` or one of them is reachable from it.  In a needed node
+    with more than one input slot, a slot whose edge leads to a node that is not needed is
+    stop-gradient for this pass; so is an edge to a ``no_grad_vars`` tensor's node.
+    """
+
+    __slots__ = ("_outputs", "_inputs", "_no_grad_vars", "_edges", "_needed", "_no_grad")
+
+    def __init__(self, outputs, inputs, no_grad_vars=None):
+        self._outputs = _tensor_list(outputs)
+        self._inputs = _tensor_list(inputs)
+        self._no_grad_vars = _tensor_list(no_grad_vars)
+        self._edges = None
+
+    def _build(self):
+        if self._edges is not None:
+            return
+        edges = {}  # node address -> addresses of its next nodes, one per edge (None: no edge)
+        todo = [t.grad_fn for t in self._outputs]
+        while todo:
+            node = todo.pop()
+            if node is None:
+                continue
+            ptr = node.node_ptr()
+            if ptr in edges:
+                continue
+            nxt = node.next_functions
+            edges[ptr] = tuple(None if n is None else n.node_ptr() for n in nxt)
+            todo.extend(nxt)
+        parents = {}
+        for ptr, nxt in edges.items():
+            for q in nxt:
+                if q is not None:
+                    parents.setdefault(q, []).append(ptr)
+        needed = set()
+        todo = list(_node_ptrs(self._inputs))
+        while todo:
+            q = todo.pop()
+            if q not in needed:
+                needed.add(q)
+                todo.extend(parents.get(q, ()))
+        self._no_grad = _node_ptrs(self._no_grad_vars)
+        self._needed = needed
+        self._edges = edges
+
+    def check_not_consumed(self):
+        """Raise before Paddle copies a node that an ordinary backward already ran."""
+        self._build()
+        for ptr in self._edges:
+            ref = _consumed.get(ptr)
+            guard = ref() if ref is not None else None
+            if guard is not None:
+                raise FusedLinearError(_reuse_message(guard.layer))
+
+    def slots(self, guard, n):
+        """For the node of ``guard`` (``n`` input slots): a tuple, True where Paddle wants
+        a gradient in this pass."""
+        self._build()
+        nxt = self._edges.get(getattr(guard, "ptr", None))
+        if nxt is None or len(nxt) != n:
+            raise FusedLinearError(
+                "paddle_mgrad: paddle.grad reached one of our PyLayer nodes that it cannot "
+                f"identify ({getattr(guard, 'layer', '?')}); please report this with the code "
+                "that builds the graph")
+        if n == 1:  # Paddle prunes only nodes with more than one slot
+            return (nxt[0] is not None and nxt[0] not in self._no_grad,)
+        return tuple(q is not None and q in self._needed and q not in self._no_grad for q in nxt)
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+         only_inputs=True, allow_unused=False, no_grad_vars=None, *,
+         dump_backward_graph_path=None):
+    """``paddle.grad`` run as a functional pass (module doc), same arguments and result."""
+    kwargs = {}
+    if dump_backward_graph_path is not None:  # Paddle 3.x only
+        kwargs["dump_backward_graph_path"] = dump_backward_graph_path
+    fpass = FunctionalPass(outputs, inputs, no_grad_vars)
+    if _consumed:
+        fpass.check_not_consumed()
+    return backward_errors.run(
+        registry.original("grad"),
+        (outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
+         no_grad_vars), kwargs, fpass)
+
+
+# Trampoline: its code replaces the code of the function paddle.grad wraps (registry entry
+# "grad"); it runs in Paddle's module globals, hence the import inside.
+def _paddle_grad_trampoline(outputs, inputs, grad_outputs=None, retain_graph=None,
+                            create_graph=False, only_inputs=True, allow_unused=False,
+                            no_grad_vars=None, *, dump_backward_graph_path=None):
+    import paddle_mgrad.autograd_passes as _m
+
+    return _m.grad(outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
+                   allow_unused, no_grad_vars, dump_backward_graph_path=dump_backward_graph_path)
