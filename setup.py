@@ -68,6 +68,8 @@ setup(
         "nlp": ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26",
                 "datasets<3", "pyarrow<19"],
     },
+    # `paddle-mgrad doctor` == `python -m paddle_mgrad doctor` (paddle_mgrad/_cli.py knows the name)
+    entry_points={"console_scripts": ["paddle-mgrad = paddle_mgrad.__main__:main"]},
     cmdclass={"build_py": BuildPy},
     zip_safe=False,
 )

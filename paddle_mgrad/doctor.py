@@ -204,10 +204,13 @@ def _switching_on(environ):
     activation = None
     if _env.raw(_env.PREFIX, environ) is not None and problems.get(_env.PREFIX) is None:
         activation = _env.get(_env.PREFIX, environ)
-    return {"site_packages": dirs, "pth": [os.path.join(d, PTH) for d in dirs
-                                           if os.path.exists(os.path.join(d, PTH))],
+    ran = sys.modules.get("paddle_mgrad_autoload")
+    pth = [os.path.join(d, PTH) for d in dirs if os.path.exists(os.path.join(d, PTH))]
+    if ran is not None and not pth:  # processed from another site dir (site.addsitedir)
+        pth = [os.path.join(d, PTH) for d in sys.path if d and os.path.exists(os.path.join(d, PTH))]
+    return {"site_packages": dirs, "pth": pth,
             "autoload_module": getattr(spec, "origin", None),
-            "autoload_ran_in_this_process": "paddle_mgrad_autoload" in sys.modules,
+            "autoload_ran_in_this_process": ran is not None,
             "variables": variables, "activation": activation}
 
 
@@ -319,6 +322,14 @@ def _install_commands(text):
     return re.findall(r"pip install [^;()]+?(?=$|;|\)|,? then)", text or "")
 
 
+def _var(facts, name):
+    """The value of a variable as the doctor saw it (None when unset)."""
+    for v in (facts.get("switch") or {}).get("variables", []):
+        if v["name"] == name:
+            return v["value"]
+    return None
+
+
 def _cxx_missing(facts):
     c = facts.get("compilers") or {}
     return [f"{k.upper()}={v['command']}" for k, v in c.items() if not v.get("path")]
@@ -369,8 +380,8 @@ def diagnose(facts) -> list:
             bad("environment", v["message"],
                 f"rename it to {m.group(1)}" if m else f"unset {v['name']} (see docs/environment.md)")
     act = sw.get("activation")
-    if act and any(act.values()) and not sw.get("pth"):
-        bad("switch on", f"PADDLE_MGRAD={os.environ.get('PADDLE_MGRAD', '')!r} is set but the "
+    if act and any(act.values()) and not (sw.get("pth") or sw.get("autoload_ran_in_this_process")):
+        bad("switch on", f"PADDLE_MGRAD={_var(facts, 'PADDLE_MGRAD')!r} is set but the "
             f"autoload {PTH} is not installed in this environment's site-packages "
             f"({', '.join(sw.get('site_packages', [])) or '?'}): the variable does nothing here",
             "pip install the package (pip install . in its checkout; PYTHONPATH is not enough), "
@@ -503,7 +514,7 @@ def _size(n):
         n /= 1024.0
 
 
-def _paths_line(cpu, op):
+def _paths_line(cpu, op, fp64_kernel):
     """The bf16 / fp16 / fp64 CPU paths (cpu_info() keys when the op reports them)."""
     if not cpu or op.get("backends", {}).get("cpu") == "python":
         return "bf16/fp16/fp64: pure-Paddle fallback"
@@ -512,7 +523,7 @@ def _paths_line(cpu, op):
     bf16 = {"onednn-bf16": "oneDNN bf16 GEMM (native)",
             "widen-sgemm": f"widened to fp32 + {sgemm}"}.get(cpu.get("bf16_path"), cpu.get("bf16_path"))
     fp16 = cpu.get("fp16_path") or f"widened ({'F16C' if 'f16c' in isa else 'portable'}) + {sgemm}"
-    forced = os.environ.get("PADDLE_MGRAD_CPU_FP64_KERNEL", "").strip().lower() == "generic"
+    forced = (fp64_kernel or "").strip().lower() == "generic"
     fp64 = cpu.get("fp64_path") or ("blocked DGEMM, " + (
         "generic kernel (forced)" if forced else
         "AVX2+FMA kernel" if {"avx2", "fma"} <= isa else "generic kernel"))
@@ -583,7 +594,7 @@ def render(facts, problems) -> str:
             + (f"; found CUDA {tk['version']} at {tk['home']}" if tk.get("home") else ""))
     if cpu and "isa" in cpu:
         add(f"cpu        {cpu.get('isa')}; native bf16: {cpu.get('native_bf16')}")
-        add(f"           {_paths_line(cpu, op)}")
+        add(f"           {_paths_line(cpu, op, _var(facts, 'PADDLE_MGRAD_CPU_FP64_KERNEL'))}")
 
     cache = _step(facts, "probe_paddle", "cache")
     if cache.get("root"):
