@@ -578,7 +578,9 @@ def render(facts, problems) -> str:
             add(f"           GPU tensors: {GEMM_NAMES.get(b['gpu'], b['gpu'])}"
                 + (f" ({why[:150]})" if why and b["gpu"] != "cuda" else ""))
         if op.get("library"):
-            add(f"           loaded in {op.get('seconds')} s from {op['library']}")
+            built = not _step(facts, "probe_paddle", "cache").get("will_load")
+            add(f"           {'built and loaded' if built else 'loaded'} in {op.get('seconds')} s "
+                f"from {op['library']}")
     else:
         add("op         not loaded" + (f" (probe {facts['probe_op'].get('signal') or 'failed'})"
                                        if facts.get("probe_op") else ""))
