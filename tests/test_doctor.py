@@ -57,8 +57,9 @@ def problem_lines(text):
 
 def current_build_dir():
     """The cache directory of the op build this process loads (built now if needed)."""
-    ops.load()
-    d = os.path.join(_build.cache_root(), _build.build_key(False))
+    module = ops.load()
+    assert module is not None, ops.fallback_reason()
+    d = os.path.dirname(os.path.dirname(_build.library_path(module)))  # <cache>/<key>/<name>/x.so
     assert os.path.exists(os.path.join(d, ".complete")), d
     return d
 
@@ -76,7 +77,8 @@ def test_healthy_install(tmp_path):
     assert [v["name"] for v in f["switch"]["variables"]] == ["PADDLE_MGRAD", "PADDLE_MGRAD_CACHE"][
         :len(f["switch"]["variables"])]
     steps = f["probe_paddle"]["steps"]
-    assert steps["paddle"]["version"] == paddle.__version__ and steps["paddle"]["cuda"] is False
+    assert steps["paddle"]["version"] == paddle.__version__
+    assert steps["paddle"]["cuda"] is paddle.is_compiled_with_cuda()
     assert any(b["current"] and b["complete"] for b in steps["cache"]["builds"])
     op = f["probe_op"]["steps"]
     assert op["op"]["backends"] == ops.backends() and op["op"]["library"].endswith(".so")
@@ -96,10 +98,18 @@ def test_healthy_install(tmp_path):
 
 
 def test_paddle_without_cuda(tmp_path):
-    """CPU Paddle: the GPU says 'none', an incomplete CUDA toolkit is not a problem (text mode)."""
+    """CPU Paddle: the GPU says 'none', an incomplete CUDA toolkit is not a problem (text mode).
+    On a CUDA Paddle (the gpu_wheel session runs this suite on paddlepaddle-gpu) the same
+    incomplete toolkit is the one problem, with its fix."""
     fake_home = tmp_path / "cuda"
     (fake_home / "bin").mkdir(parents=True)
     r, _ = run_doctor(tmp_path, CUDA_HOME=str(fake_home))
+    if paddle.is_compiled_with_cuda():
+        assert r.returncode == 1 and "built with CUDA" in r.stdout
+        (line,) = problem_lines(r.stdout)
+        assert "[op] GPU tensors run" in line and f"CUDA_HOME/CUDA_PATH={fake_home}" in line
+        assert "->  fix: install the CUDA toolkit (nvcc) and set CUDA_HOME to it" in line
+        return
     assert r.returncode == 0, r.stdout + r.stderr
     assert problem_lines(r.stdout) == []
     assert "built without CUDA" in r.stdout
@@ -160,8 +170,15 @@ def test_missing_compiler(tmp_path):
     assert op["selftest_paddle_mgrad"]["main_grad_ok"]
     r2, _ = run_doctor(tmp_path, cache=str(tmp_path / "fresh-cache"),
                        CC="/nonexistent/cc", CXX="/nonexistent/c++")
-    (line,) = problem_lines(r2.stdout)
+    op_lines = [ln for ln in problem_lines(r2.stdout) if "[op]" in ln]
+    others = [ln for ln in problem_lines(r2.stdout) if "[op]" not in ln]
+    (line,) = op_lines
     assert "[op] the C++ op could not be built" in line and "->  fix: install a C++17 compiler" in line
+    if paddle.is_compiled_with_cuda():  # the first run's failed CUDA build is kept, not retried
+        (line,) = others
+        assert "[cache] build " in line and "failed build" in line and "->  fix: delete it: rm -rf" in line
+    else:
+        assert others == []
     assert "compiler: /nonexistent/c++ -> NOT FOUND" in r2.stdout
 
 
