@@ -128,11 +128,13 @@ CORRECTED = {
     "from a checkout: pip install --no-build-isolation .":
         "fails in a fresh venv without `wheel`; the README says so and gives `pip install .`",
 }
-#: pointers of the one long page ("below", "above") that now name the page they point to
+#: pointers of the one long page ("below", "above") that now name the page they point to, and
+#: bold run-in leads that became headings
 REWORDED = {
     "(see GPU below)": "(see gpu.md)",
     "every flag above": "every flag of usage.md",
     "and times it: results in the GPU section above.": "and times it.",
+    "**Install.** `pip install paddlepaddle-gpu": "`pip install paddlepaddle-gpu",  # now a heading
 }
 
 
