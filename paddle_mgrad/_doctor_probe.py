@@ -77,8 +77,8 @@ def step_paddle():
     emit("paddle", **info)
 
 
-def step_cache():
-    emit("cache", started=True)
+def step_cache(name="cache"):
+    emit(name, started=True)
     from paddle_mgrad.ops import _build
 
     root = _build.cache_root()
@@ -109,7 +109,7 @@ def step_cache():
         prebuilt = [{"directory": os.path.join(pre, k), "key": k,
                      "complete": os.path.exists(os.path.join(pre, k, ".complete")),
                      "current": k in keys} for k in sorted(os.listdir(pre))]
-    emit("cache", root=root, from_env=bool(os.environ.get("PADDLE_MGRAD_CACHE")),
+    emit(name, root=root, from_env=bool(os.environ.get("PADDLE_MGRAD_CACHE")),
          current=current, builds=builds, lister=lister, prebuilt_root=pre, prebuilt=prebuilt,
          will_load=[os.path.join(p, k) for k in sorted(keys) for p in (pre, root)
                     if os.path.exists(os.path.join(p, k, ".complete"))])
@@ -155,7 +155,9 @@ def step_cpu():
 STEPS = {
     "paddle": (("paddle", step_paddle), ("cache", step_cache),
                ("selftest_paddle", lambda: step_selftest("paddle"))),
-    "op": (("op", step_op), ("cpu", step_cpu), ("selftest_paddle_mgrad", lambda: step_selftest("paddle_mgrad"))),
+    # the cache again once the op is loaded: what loading it did there (e.g. rebuilt a bad build)
+    "op": (("op", step_op), ("cache_after", lambda: step_cache("cache_after")), ("cpu", step_cpu),
+           ("selftest_paddle_mgrad", lambda: step_selftest("paddle_mgrad"))),
 }
 
 

@@ -322,6 +322,45 @@ def _install_commands(text):
     return re.findall(r"pip install [^;()]+?(?=$|;|\)|,? then)", text or "")
 
 
+def _final_cache(facts):
+    """The cache listing after the op was loaded (the op probe's), else the one before."""
+    after = _step(facts, "probe_op", "cache_after")
+    if after and not after.get("started") and not after.get("failed"):
+        return after
+    return _step(facts, "probe_paddle", "cache")
+
+
+#: problems of a build that only matter for the build this configuration loads: another
+#: configuration's failed or unfinished build (maybe in progress right now) is no fault
+_ONLY_IF_CURRENT = ("failed build", "incomplete", "completion marker from an older")
+
+
+def _cache_problem_matters(b):
+    problem = str(b.get("problem") or "")
+    if not problem:
+        return False
+    if b.get("security"):  # someone else could write what we would load
+        return True
+    if problem.startswith(_ONLY_IF_CURRENT):
+        return bool(b.get("current")) and problem.startswith("failed build")
+    return True  # truncated, hash mismatch, ...: corrupt, whichever configuration
+
+
+def rebuilt(facts):
+    """Builds that had a problem before the op was loaded and none after (the loader rebuilt
+    them): ``[(directory, the problem it had)]``."""
+    before = {b.get("directory"): b for b in _step(facts, "probe_paddle", "cache").get("builds", [])}
+    after = _step(facts, "probe_op", "cache_after")
+    if not after or after.get("started") or after.get("failed"):
+        return []
+    out = []
+    for b in after.get("builds", []):
+        old = before.get(b.get("directory"))
+        if old and old.get("problem") and not b.get("problem") and b.get("complete"):
+            out.append((b["directory"], old["problem"]))
+    return out
+
+
 def _var(facts, name):
     """The value of a variable as the doctor saw it (None when unset)."""
     for v in (facts.get("switch") or {}).get("variables", []):
@@ -408,14 +447,14 @@ def diagnose(facts) -> list:
         return out  # nothing below can be known without Paddle
     paddle_cuda = bool(pst.get("cuda"))
 
-    cache = _step(facts, "probe_paddle", "cache")
-    if cache.get("failed"):
-        bad("cache", f"listing the op cache failed: {cache['failed']}",
+    cache = _step(facts, "probe_paddle", "cache")  # before loading the op (what will_load says)
+    final = _final_cache(facts)  # after loading it, when the op probe got that far
+    if final.get("failed"):
+        bad("cache", f"listing the op cache failed: {final['failed']}",
             "report it: python -m paddle_mgrad doctor --json > doctor.json")
-    for b in cache.get("builds", []):
-        problem = b.get("problem")
-        if problem and (b.get("current") or not str(problem).startswith("failed build")):
-            bad("cache", f"build {b.get('directory')}: {problem}",
+    for b in final.get("builds", []):
+        if _cache_problem_matters(b):
+            bad("cache", f"build {b.get('directory')}: {b['problem']}",
                 f"delete it: rm -rf {b.get('directory')} (the next use rebuilds it)")
 
     po = facts.get("probe_op") or {}
@@ -598,15 +637,16 @@ def render(facts, problems) -> str:
         add(f"cpu        {cpu.get('isa')}; native bf16: {cpu.get('native_bf16')}")
         add(f"           {_paths_line(cpu, op, _var(facts, 'PADDLE_MGRAD_CPU_FP64_KERNEL'))}")
 
-    cache = _step(facts, "probe_paddle", "cache")
+    cache = _final_cache(facts)
     if cache.get("root"):
         src = "PADDLE_MGRAD_CACHE" if cache.get("from_env") else "default"
         builds = cache.get("builds") or []
         add(f"cache      {cache['root']} ({src}; {len(builds)} build(s), lister: {cache.get('lister')})")
         for bld in builds[:8]:
-            flags = ["current" if bld.get("current") else "other configuration",
+            flags = (["prebuilt"] if bld.get("location") == "prebuilt" else []) + [
+                     "current" if bld.get("current") else "other configuration",
                      "complete" if bld.get("complete") else "incomplete",
-                     {True: "verified", False: "NOT verified", None: "unverified"}[bld.get("verified")]]
+                     {True: "verified", False: "NOT verified", None: "not checked"}[bld.get("verified")]]
             if bld.get("paddle_version"):
                 flags.append(f"Paddle {bld['paddle_version']}")
             if bld.get("cuda") is not None:
@@ -615,6 +655,8 @@ def render(facts, problems) -> str:
                 + (f"  PROBLEM: {bld['problem'][:120]}" if bld.get("problem") else ""))
         if len(builds) > 8:
             add(f"           ... {len(builds) - 8} more (--json lists all)")
+        for directory, problem in rebuilt(facts):
+            add(f"           rebuilt while loading: {directory} (was: {problem[:120]})")
     st = _step(facts, "probe_op", "selftest_paddle_mgrad")
     add(f"self-test  this Paddle: {_needs_line(facts)}")
     if st and not st.get("started"):
@@ -661,6 +703,7 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps({"exit_code": code, "verdict": verdict(facts, problems),
                               "needs_paddle_mgrad": _needs_line(facts),
+                              "rebuilt": [{"directory": d, "was": p} for d, p in rebuilt(facts)],
                               "problems": problems, "facts": facts}, indent=1, default=str))
         else:
             print(render(facts, problems))
