@@ -183,8 +183,12 @@ def test_missing_compiler(tmp_path):
 
 
 def test_corrupt_cache(tmp_path):
-    """A truncated op library in the cache (dlopen gives SIGBUS) with PADDLE_MGRAD=all: the doctor
-    neither loads it nor dies -- exit 1, the directory to delete."""
+    """A truncated op library in the cache (``dlopen`` of it gives SIGBUS) with PADDLE_MGRAD=all:
+    the doctor never loads it in its own process and never dies.  Where the loader verifies builds
+    before loading them (size + SHA-256, paddle_mgrad/ops/_build.py), the doctor lists it as
+    truncated before loading, the loader rebuilds it, and the doctor names what was rebuilt
+    (healthy, exit 0); where it does not, the probe that loads it dies of SIGBUS and the doctor
+    says which directory to delete (exit 1)."""
     src = current_build_dir()
     cache = tmp_path / "cache"
     dst = cache / os.path.basename(src)
@@ -193,14 +197,22 @@ def test_corrupt_cache(tmp_path):
     with open(so, "r+b") as f:
         f.truncate(os.path.getsize(so) // 40)
     r, d = run_doctor(tmp_path, "--json", cache=str(cache), PADDLE_MGRAD="all")
-    assert r.returncode == 1 and d["exit_code"] == 1
-    fixes = [p for p in d["problems"] if f"rm -rf {dst}" in p["fix"]]
-    assert fixes and all(str(dst) in p["problem"] for p in fixes), d["problems"]
-    po = d["facts"]["probe_op"]
-    if po["signal"]:  # loaded anyway (no verification): the probe died, the doctor did not
-        assert po["signal"] == "SIGBUS" and po["crashed_in"] == "op"
-        assert "killed by SIGBUS" in fixes[0]["problem"]
     assert not d["facts"]["doctor"]["paddle_in_process"]
+    po = d["facts"]["probe_op"]
+    before = {b["directory"]: b for b in d["facts"]["probe_paddle"]["steps"]["cache"]["builds"]}
+    if po["signal"]:  # loaded unverified: the probe died, the doctor did not
+        assert r.returncode == 1 and d["exit_code"] == 1
+        assert po["signal"] == "SIGBUS" and po["crashed_in"] == "op"
+        fixes = [p for p in d["problems"] if f"rm -rf {dst}" in p["fix"]]
+        assert fixes and all(str(dst) in p["problem"] for p in fixes), d["problems"]
+        assert "killed by SIGBUS" in fixes[0]["problem"]
+        return
+    was = before[str(dst)]["problem"]
+    assert was.startswith("truncated") and before[str(dst)]["verified"] is False, before
+    assert r.returncode == 0 and d["problems"] == [], d["problems"]
+    assert d["rebuilt"] == [{"directory": str(dst), "was": was}]
+    assert po["steps"]["op"]["library"].startswith(str(dst))
+    assert po["steps"]["selftest_paddle_mgrad"]["main_grad_ok"]
 
 
 def test_bad_env_values(tmp_path):
