@@ -1,14 +1,24 @@
 // A C ABI over the framework-free core, for ctypes (benchmarks/gpu/ and the
-// Paddle-free core tests).  dtype codes: 0 = float32, 1 = bfloat16, 2 = float16,
-// 3 = float64 (pmg::DType).
-// Returns 0 on success, else 1 with the message copied into err[err_len].
+// Paddle-free tests).  dtype codes: 0 = float32, 1 = bfloat16, 2 = float16,
+// 3 = float64 (pmg::DType).  Calls return 0 on success, else 1 with the message
+// copied into err[err_len].
+//
+// Three groups:
+//   * the cores: pmg_wgrad_cpu_c, pmg_wgrad_cuda_c (CUDA builds), pmg_wgrad_cuda_ex
+//     (CUDA builds: explicit device, stream, workspace or allocator, bias mode,
+//     simulated capability, and a one-line report of what ran);
+//   * the GPU path's decisions (wgrad_gpu_plan.h), in every build;
+//   * pmg_fake_gpu_flow: the Paddle binding's GPU branch (wgrad_gpu_flow.h) run on a
+//     recording fake host, in every build.
+#include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "wgrad_core.h"
-#ifdef PMG_WITH_CUDA
 #include "wgrad_cuda.h"
-#endif
+#include "wgrad_gpu_flow.h"
+#include "wgrad_gpu_plan.h"
 
 namespace {
 
@@ -31,14 +41,100 @@ pmg::WgradArgs make_args(const void* x, const void* dy, int in_dtype, int64_t M,
   return a;
 }
 
+void copy_out(const std::string& msg, char* buf, int len) {
+  if (buf != nullptr && len > 0) {
+    std::strncpy(buf, msg.c_str(), static_cast<size_t>(len - 1));
+    buf[len - 1] = '\0';
+  }
+}
+
 int finish(const std::string& msg, char* err, int err_len) {
   if (msg.empty()) return 0;
-  if (err != nullptr && err_len > 0) {
-    std::strncpy(err, msg.c_str(), static_cast<size_t>(err_len - 1));
-    err[err_len - 1] = '\0';
-  }
+  copy_out(msg, err, err_len);
   return 1;
 }
+
+// A fake host for pmg::gpu_flow: records each step into `trace`, fails where told.
+struct FakeHost {
+  std::vector<pmg::Placement> places;
+  std::vector<const char*> names;
+  const char* bias_env = nullptr;
+  int fail = 0;  // bit 0: the guard, bit 1: the workspace allocator, bit 2: the core
+  bool dweight_given = false, dbias_wanted = false, dbias_given = false;
+  int current = 0;  // the "current device"
+  std::string trace;
+  float dw[4] = {0, 0, 0, 0}, db[2] = {0, 0};
+  std::vector<std::vector<char>> buffers;
+
+  void log(const std::string& s) { trace += (trace.empty() ? "" : " ") + s; }
+  int count() const { return static_cast<int>(places.size()); }
+  const char* name(int i) const { return names[i]; }
+  pmg::Placement place(int i) const { return places[i]; }
+  const char* env(const char*) const { return bias_env; }
+
+  class Guard {
+   public:
+    Guard(FakeHost* h, int device) : h_(h) {
+      if (h->fail & 1) {
+        err_ = "fake guard failure for gpu:" + std::to_string(device);
+        h->log("guard-failed");
+        return;
+      }
+      prev_ = h->current;
+      h->current = device;
+      h->log("guard(" + std::to_string(device) + ")");
+    }
+    ~Guard() {
+      if (!err_.empty()) return;
+      h_->current = prev_;
+      h_->log("unguard(" + std::to_string(prev_) + ")");
+    }
+    Guard(const Guard&) = delete;
+    Guard& operator=(const Guard&) = delete;
+    bool ok() const { return err_.empty(); }
+    std::string error() const { return err_; }
+
+   private:
+    FakeHost* h_;
+    int prev_ = 0;
+    std::string err_;
+  };
+  Guard enter_device(int device) { return Guard(this, device); }
+  void* stream() {
+    log("stream(" + std::to_string(current) + ")");
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(0x5000 + current));
+  }
+  std::string allocate_outputs(pmg::WgradArgs* a) {
+    a->dw = dw;
+    a->dw_beta = dweight_given ? 1.f : 0.f;
+    if (!dweight_given) log("alloc-dweight(" + std::to_string(current) + ")");
+    if (dbias_wanted) {
+      a->db = db;
+      a->db_beta = dbias_given ? 1.f : 0.f;
+      if (!dbias_given) log("alloc-dbias(" + std::to_string(current) + ")");
+    }
+    return "";
+  }
+  static void* allocate_workspace(size_t bytes, void* self) {
+    auto* h = static_cast<FakeHost*>(self);
+    h->log("workspace(" + std::to_string(bytes) + "@" + std::to_string(h->current) + ")");
+    if (h->fail & 2) return nullptr;
+    h->buffers.emplace_back(bytes);
+    return h->buffers.back().data();
+  }
+  std::string run_core(const pmg::WgradArgs& a, const pmg::CudaExec& exec) {
+    log("core(device=" + std::to_string(exec.device) + ",stream=" +
+        std::to_string(reinterpret_cast<uintptr_t>(exec.stream) - 0x5000) + ",bias=" +
+        pmg::bias_mode_name(exec.bias_mode) + ")");
+    // what the real core does with the allocator: ask for the plan's scratch
+    const pmg::BiasChoice c = pmg::choose_bias(a, exec.bias_mode);
+    const pmg::WorkspacePlan wp = pmg::plan_workspace(a, c.path, 0, 4);
+    if (wp.request > 0 && exec.alloc(wp.request, exec.alloc_user) == nullptr)
+      return "could not allocate " + std::to_string(wp.request) + " bytes of scratch";
+    if (fail & 4) return "fake core failure";
+    return "";
+  }
+};
 
 }  // namespace
 
@@ -59,15 +155,156 @@ int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int6
   return finish(bad.empty() ? pmg::wgrad_cpu(a) : bad, err, err_len);
 }
 
+// 1 when this library carries the CUDA core.
+int pmg_has_cuda() {
 #ifdef PMG_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#ifdef PMG_WITH_CUDA
+// The full CUDA entry point.  `alloc` (may be null) is a pmg::WorkspaceAllocFn; bias_mode:
+// 0 auto, 1 epilogue, 2 kernel; sim_capability: 0 = the real GPU.  `info` receives one line
+// saying what ran (CudaReport::text()), also on errors.
+int pmg_wgrad_cuda_ex(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
+                      void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
+                      int device, void* stream, void* workspace, size_t workspace_bytes,
+                      pmg::WorkspaceAllocFn alloc, void* alloc_user, int bias_mode,
+                      int sim_capability, char* info, int info_len, char* err, int err_len) {
+  const pmg::WgradArgs a =
+      make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta);
+  std::string bad = pmg::check_args(a);
+  if (bad.empty() && (bias_mode < 0 || bias_mode > 2))
+    bad = "bias_mode must be 0 (auto), 1 (epilogue) or 2 (kernel), got " + std::to_string(bias_mode);
+  if (!bad.empty()) return finish(bad, err, err_len);
+  pmg::CudaExec exec;
+  exec.device = device;
+  exec.stream = stream;
+  exec.workspace = workspace;
+  exec.workspace_bytes = workspace_bytes;
+  exec.alloc = alloc;
+  exec.alloc_user = alloc_user;
+  exec.bias_mode = static_cast<pmg::BiasMode>(bias_mode);
+  exec.sim_capability = sim_capability;
+  pmg::CudaReport rep;
+  const std::string msg = pmg::wgrad_cuda(a, exec, &rep);
+  copy_out(rep.text(), info, info_len);
+  return finish(msg, err, err_len);
+}
+
+// The short form (kept for existing callers): auto bias path, stream-ordered scratch.
 int pmg_wgrad_cuda_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                      void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
                      void* stream, int device, char* err, int err_len) {
-  const pmg::WgradArgs a =
-      make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta);
-  const std::string bad = pmg::check_args(a);
-  return finish(bad.empty() ? pmg::wgrad_cuda(a, stream, device) : bad, err, err_len);
+  return pmg_wgrad_cuda_ex(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta,
+                           device, stream, nullptr, 0, nullptr, nullptr, 0, 0, nullptr, 0, err,
+                           err_len);
 }
-#endif
+
+const char* pmg_cuda_targets() { return pmg::cuda_targets(); }
+
+void pmg_cuda_stats(char* buf, int len) { copy_out(pmg::cuda_stats(), buf, len); }
+#endif  // PMG_WITH_CUDA
+
+// ---- the GPU path's decisions (wgrad_gpu_plan.h), reachable without a GPU
+uint32_t pmg_pointer_alignment(uintptr_t address) {
+  return pmg::pointer_alignment(reinterpret_cast<const void*>(address));
+}
+
+int pmg_targets_cover(const char* targets, int capability) {
+  return pmg::targets_cover(targets ? targets : "", capability) ? 1 : 0;
+}
+
+// Returns 0 auto, 1 epilogue, 2 kernel, or -1 with the message in err.
+int pmg_parse_bias_mode(const char* text, char* err, int err_len) {
+  pmg::BiasMode m;
+  const std::string msg = pmg::parse_bias_mode(text, &m);
+  if (!msg.empty()) {
+    copy_out(msg, err, err_len);
+    return -1;
+  }
+  return static_cast<int>(m);
+}
+
+// Returns the bias path before cuBLASLt is asked (0 none, 1 epilogue, 2 kernel), or -1 when
+// a forced epilogue cannot apply; `why` says why the kernel (or why refused).
+int pmg_choose_bias(int in_dtype, int64_t M, int64_t K, int64_t N, int has_dw, int dw_dtype,
+                    int has_db, int db_dtype, int bias_mode, char* why, int why_len) {
+  static float dummy;
+  const pmg::WgradArgs a = make_args(&dummy, &dummy, in_dtype, M, K, N, has_dw ? &dummy : nullptr,
+                                     dw_dtype, 1.f, has_db ? &dummy : nullptr, db_dtype, 1.f);
+  const pmg::BiasChoice c = pmg::choose_bias(a, static_cast<pmg::BiasMode>(bias_mode));
+  copy_out(c.why, why, why_len);
+  return c.refused ? -1 : static_cast<int>(c.path);
+}
+
+// out[0..7]: gemm_offset, bias_tmp_offset, bias_tmp_bytes, partial_offset, partial_bytes,
+// splits, total, request.
+void pmg_plan_workspace(int in_dtype, int64_t M, int64_t K, int64_t N, int bias_path,
+                        uint64_t gemm_workspace, int sms, int64_t* out) {
+  const pmg::WgradArgs a = make_args(nullptr, nullptr, in_dtype, M, K, N, nullptr, 0, 1.f, nullptr,
+                                     0, 1.f);
+  const pmg::WorkspacePlan w =
+      pmg::plan_workspace(a, static_cast<pmg::BiasPath>(bias_path), gemm_workspace, sms);
+  const int64_t v[8] = {static_cast<int64_t>(w.gemm_offset), static_cast<int64_t>(w.bias_tmp_offset),
+                        static_cast<int64_t>(w.bias_tmp_bytes), static_cast<int64_t>(w.partial_offset),
+                        static_cast<int64_t>(w.partial_bytes), w.splits,
+                        static_cast<int64_t>(w.total), static_cast<int64_t>(w.request)};
+  std::memcpy(out, v, sizeof(v));
+}
+
+int pmg_check_element_alignment(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K,
+                                int64_t N, void* dw, int dw_dtype, void* db, int db_dtype,
+                                char* err, int err_len) {
+  const pmg::WgradArgs a = make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, 1.f, db, db_dtype, 1.f);
+  return finish(pmg::check_element_alignment(a), err, err_len);
+}
+
+// kinds/devices: x, dout, then the given dweight / dbias (names in that order).
+int pmg_check_places(const int* kinds, const int* devices, int n, char* err, int err_len) {
+  static const char* const all[] = {"x", "dout", "dweight", "dbias"};
+  if (n < 0 || n > 4) return finish("n must be 0..4", err, err_len);
+  std::vector<pmg::Placement> p(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) p[i] = pmg::Placement{kinds[i], devices[i]};
+  return finish(pmg::check_places(all, p.data(), n), err, err_len);
+}
+
+// The binding's GPU branch on a fake host (see FakeHost): inputs x, dout [, dweight] [, dbias]
+// at kinds[i]/devices[i]; `current` is the fake's current device; `fail` bits: 1 guard,
+// 2 workspace allocator, 4 core.  `trace` receives the steps, in order.
+int pmg_fake_gpu_flow(const int* kinds, const int* devices, int has_dweight, int has_bias,
+                      int has_dbias, int in_dtype, const char* bias_env, int current, int fail,
+                      char* trace, int trace_len, char* err, int err_len) {
+  FakeHost h;
+  h.names = {"x", "dout"};
+  int n = 2;
+  if (has_dweight) h.names.push_back("dweight"), ++n;
+  if (has_bias && has_dbias) h.names.push_back("dbias"), ++n;
+  for (int i = 0; i < n; ++i) h.places.push_back(pmg::Placement{kinds[i], devices[i]});
+  h.bias_env = bias_env;
+  h.fail = fail;
+  h.current = current;
+  h.dweight_given = has_dweight != 0;
+  h.dbias_wanted = has_bias != 0;
+  h.dbias_given = has_dbias != 0;
+  static const double inputs[16] = {0};
+  pmg::WgradArgs a;
+  a.x = inputs;
+  a.dy = inputs;
+  a.in_dtype = static_cast<pmg::DType>(in_dtype);
+  a.M = 2;
+  a.K = 2;
+  a.N = 2;
+  a.dw_dtype = pmg::mp_type(a.in_dtype);
+  a.db_dtype = pmg::mp_type(a.in_dtype);
+  std::string msg;
+  {
+    msg = pmg::gpu_flow(h, a);  // the guard is released inside: its step is traced
+  }
+  copy_out(h.trace, trace, trace_len);
+  return finish(msg, err, err_len);
+}
 
 }  // extern "C"

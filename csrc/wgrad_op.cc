@@ -15,14 +15,21 @@
 //
 // The Python wrapper validates first and raises FusedLinearError with the
 // offending shapes; the PD_CHECKs here guard direct callers of the raw op.
+// Every input must be on x's place (both branches).  The GPU branch is
+// pmg::gpu_flow (wgrad_gpu_flow.h) on PaddleGpuHost: Paddle's device guard
+// first, then Paddle's stream and the outputs, then the CUDA core with the
+// device and stream given explicitly and scratch from Paddle's allocator.
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "paddle/extension.h"
 #include "wgrad_core.h"
+#include "wgrad_gpu_plan.h"
 
 #ifdef PMG_WITH_CUDA
 #include "wgrad_cuda.h"
+#include "wgrad_gpu_flow.h"
 #endif
 
 namespace {
@@ -67,6 +74,161 @@ paddle::DataType acc_dtype(paddle::DataType in, bool multi_precision) {
   return multi_precision ? to_paddle(pmg::mp_type(to_pmg(in, "x"))) : in;
 }
 
+// The outputs: a given dweight / dbias is updated in place (beta = 1); a missing one is
+// allocated on x's place (beta = 0).  Fills the accumulator half of `a`.  On a GPU this runs
+// after the device guard (wgrad_gpu_flow.h).
+void prepare_outputs(const paddle::Tensor& x, const paddle::optional<paddle::Tensor>& dweight,
+                     const paddle::optional<paddle::Tensor>& dbias, bool multi_precision,
+                     bool has_bias, pmg::WgradArgs* a, paddle::Tensor* dw_out,
+                     paddle::Tensor* db_out) {
+  const int64_t K = a->K, N = a->N;
+  if (dweight) {
+    *dw_out = *dweight;
+    PD_CHECK(dw_out->shape() == std::vector<int64_t>({K, N}), "dweight ",
+             shape_str(dw_out->shape()), " must be [K, N] = ", shape_str({K, N}));
+    a->dw_beta = 1.f;
+  } else {
+    *dw_out = paddle::empty({K, N}, acc_dtype(x.dtype(), multi_precision), x.place());
+    a->dw_beta = 0.f;
+  }
+  a->dw = dw_out->numel() > 0 ? dw_out->data() : nullptr;  // zero-size: nothing to write
+  a->dw_dtype = to_pmg(dw_out->dtype(), "dweight");
+  if (has_bias) {
+    if (dbias) {
+      *db_out = *dbias;
+      PD_CHECK(db_out->shape() == std::vector<int64_t>({N}), "dbias ", shape_str(db_out->shape()),
+               " must be [N] = ", shape_str({N}));
+      a->db_beta = 1.f;
+    } else {
+      *db_out = paddle::empty({N}, acc_dtype(x.dtype(), multi_precision), x.place());
+      a->db_beta = 0.f;
+    }
+    a->db = db_out->numel() > 0 ? db_out->data() : nullptr;
+    a->db_dtype = to_pmg(db_out->dtype(), "dbias");
+  } else {
+    // A one-element placeholder: Paddle 2.6 rejects zero-size custom-op outputs
+    // as "not initialized".  The Python wrapper returns None instead.
+    *db_out = paddle::empty({1}, acc_dtype(x.dtype(), multi_precision), x.place());
+  }
+}
+
+pmg::Placement placement(const paddle::Tensor& t) {
+  pmg::Placement p;
+  if (t.is_cpu()) {
+    p.kind = 0;
+  } else if (t.is_gpu()) {
+    p.kind = 1;
+    p.device = t.place().GetDeviceId();
+  } else {
+    p.kind = 2;
+  }
+  return p;
+}
+
+#ifdef PMG_WITH_CUDA
+}  // namespace
+
+// Paddle's own current-device functions (paddle/phi/backends/gpu/gpu_info.h, exported by
+// 2.6 and 3.x; that header itself pulls in cuDNN's).  Paddle's runtime is not ours: its
+// view of the current device is what Tensor::stream() and its allocator read.
+namespace phi {
+namespace backends {
+namespace gpu {
+int GetCurrentDeviceId();
+void SetDeviceId(int device_id);
+}  // namespace gpu
+}  // namespace backends
+}  // namespace phi
+
+namespace {
+
+// The GPU host of pmg::gpu_flow (wgrad_gpu_flow.h): Paddle tensors, device, allocator.
+struct PaddleGpuHost {
+  const paddle::Tensor& x;
+  const paddle::Tensor& dout;
+  const paddle::optional<paddle::Tensor>& dweight;
+  const paddle::optional<paddle::Tensor>& dbias;
+  bool multi_precision, has_bias;
+  paddle::Tensor dw_out, db_out;
+  std::vector<paddle::Tensor> scratch;  // alive until the op returns; freed in stream order
+  std::string alloc_error;
+  std::vector<const paddle::Tensor*> inputs;
+  std::vector<const char*> names;
+
+  PaddleGpuHost(const paddle::Tensor& x_, const paddle::Tensor& dout_,
+                const paddle::optional<paddle::Tensor>& dw_,
+                const paddle::optional<paddle::Tensor>& db_, bool mp, bool bias)
+      : x(x_), dout(dout_), dweight(dw_), dbias(db_), multi_precision(mp), has_bias(bias) {
+    inputs = {&x, &dout};
+    names = {"x", "dout"};
+    if (dweight) {
+      inputs.push_back(&*dweight);
+      names.push_back("dweight");
+    }
+    if (has_bias && dbias) {
+      inputs.push_back(&*dbias);
+      names.push_back("dbias");
+    }
+  }
+  int count() const { return static_cast<int>(inputs.size()); }
+  const char* name(int i) const { return names[i]; }
+  pmg::Placement place(int i) const { return placement(*inputs[i]); }
+  const char* env(const char* var) const { return std::getenv(var); }
+
+  class Guard {
+   public:
+    explicit Guard(int device) {
+      try {
+        const int cur = phi::backends::gpu::GetCurrentDeviceId();
+        if (cur != device) {
+          phi::backends::gpu::SetDeviceId(device);
+          prev_ = cur;
+        }
+      } catch (const std::exception& e) {
+        err_ = "cannot make gpu:" + std::to_string(device) + " current: " + e.what();
+      }
+    }
+    ~Guard() {
+      if (prev_ < 0) return;
+      try {
+        phi::backends::gpu::SetDeviceId(prev_);
+      } catch (...) {
+      }
+    }
+    Guard(const Guard&) = delete;
+    Guard& operator=(const Guard&) = delete;
+    bool ok() const { return err_.empty(); }
+    std::string error() const { return err_; }
+
+   private:
+    int prev_ = -1;
+    std::string err_;
+  };
+  Guard enter_device(int device) { return Guard(device); }
+  void* stream() { return reinterpret_cast<void*>(x.stream()); }
+  std::string allocate_outputs(pmg::WgradArgs* a) {
+    prepare_outputs(x, dweight, dbias, multi_precision, has_bias, a, &dw_out, &db_out);
+    return "";
+  }
+  static void* allocate_workspace(size_t bytes, void* self) {
+    auto* h = static_cast<PaddleGpuHost*>(self);
+    try {
+      h->scratch.push_back(paddle::empty({static_cast<int64_t>(bytes)}, paddle::DataType::UINT8,
+                                         h->x.place()));
+      return h->scratch.back().data();
+    } catch (const std::exception& e) {
+      h->alloc_error = e.what();
+      return nullptr;
+    }
+  }
+  std::string run_core(const pmg::WgradArgs& a, const pmg::CudaExec& exec) {
+    std::string err = pmg::wgrad_cuda(a, exec);
+    if (!err.empty() && !alloc_error.empty()) err += " (" + alloc_error.substr(0, 500) + ")";
+    return err;
+  }
+};
+#endif  // PMG_WITH_CUDA
+
 std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Tensor& dout,
                                        const paddle::optional<paddle::Tensor>& dweight,
                                        const paddle::optional<paddle::Tensor>& dbias,
@@ -81,51 +243,34 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
   const int64_t M = leading(xs), K = xs.back(), N = ys.back();
   const pmg::DType in_t = to_pmg(x.dtype(), "x");
 
-  paddle::Tensor dw_out, db_out;
   pmg::WgradArgs a;
   a.in_dtype = in_t;
   a.M = M;
   a.K = K;
   a.N = N;
-  if (dweight) {
-    dw_out = *dweight;
-    PD_CHECK(dw_out.shape() == std::vector<int64_t>({K, N}), "dweight ",
-             shape_str(dw_out.shape()), " must be [K, N] = ", shape_str({K, N}));
-    a.dw_beta = 1.f;
-  } else {
-    dw_out = paddle::empty({K, N}, acc_dtype(x.dtype(), multi_precision), x.place());
-    a.dw_beta = 0.f;
-  }
-  a.dw = dw_out.numel() > 0 ? dw_out.data() : nullptr;  // zero-size: nothing to write
-  a.dw_dtype = to_pmg(dw_out.dtype(), "dweight");
-  if (has_bias) {
-    if (dbias) {
-      db_out = *dbias;
-      PD_CHECK(db_out.shape() == std::vector<int64_t>({N}), "dbias ", shape_str(db_out.shape()),
-               " must be [N] = ", shape_str({N}));
-      a.db_beta = 1.f;
-    } else {
-      db_out = paddle::empty({N}, acc_dtype(x.dtype(), multi_precision), x.place());
-      a.db_beta = 0.f;
-    }
-    a.db = db_out.numel() > 0 ? db_out.data() : nullptr;
-    a.db_dtype = to_pmg(db_out.dtype(), "dbias");
-  } else {
-    // A one-element placeholder: Paddle 2.6 rejects zero-size custom-op outputs
-    // as "not initialized".  The Python wrapper returns None instead.
-    db_out = paddle::empty({1}, acc_dtype(x.dtype(), multi_precision), x.place());
-  }
-
   // A zero-element tensor has no buffer: pass null, the core reads only what it needs.
   a.x = x.numel() > 0 ? x.data() : nullptr;
   a.dy = dout.numel() > 0 ? dout.data() : nullptr;
-  std::string err = pmg::check_args(a);  // the accumulator-dtype rule lives in the core
-  PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
+  paddle::Tensor dw_out, db_out;
+  std::string err;
   if (x.is_cpu()) {
+    // every input on the CPU too: a GPU accumulator would be written through a device pointer
+    const pmg::Placement places[] = {placement(x), placement(dout),
+                                     dweight ? placement(*dweight) : placement(x),
+                                     dbias && has_bias ? placement(*dbias) : placement(x)};
+    const char* const names[] = {"x", "dout", "dweight", "dbias"};
+    err = pmg::check_places(names, places, 4);
+    PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
+    prepare_outputs(x, dweight, dbias, multi_precision, has_bias, &a, &dw_out, &db_out);
+    err = pmg::check_args(a);  // the accumulator-dtype rule lives in the core
+    PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
     err = pmg::wgrad_cpu(a);
 #ifdef PMG_WITH_CUDA
   } else if (x.is_gpu()) {
-    err = pmg::wgrad_cuda(a, reinterpret_cast<void*>(x.stream()), x.place().GetDeviceId());
+    PaddleGpuHost host(x, dout, dweight, dbias, multi_precision, has_bias);
+    err = pmg::gpu_flow(host, a);
+    dw_out = host.dw_out;
+    db_out = host.db_out;
 #endif
   } else {
     PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: unsupported place");

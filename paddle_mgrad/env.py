@@ -9,9 +9,10 @@ inside a training run.  Unknown ``PADDLE_MGRAD_*`` names (a misspelt variable) a
 errors -- other tools may share the prefix -- but :func:`problems` reports them with the
 closest known name, and ``python -m paddle_mgrad doctor`` prints them.
 
-The C++ op reads three of these itself on every call (``PADDLE_MGRAD_CPU_BF16``,
-``PADDLE_MGRAD_CPU_CHUNK_ROWS``, ``PADDLE_MGRAD_CPU_FP64_KERNEL``: tests change them at
-run time); it validates them again there and fails with an error, never a crash.
+The C++ op reads four of these itself on every call (``PADDLE_MGRAD_CPU_BF16``,
+``PADDLE_MGRAD_CPU_CHUNK_ROWS``, ``PADDLE_MGRAD_CPU_FP64_KERNEL``, ``PADDLE_MGRAD_CUDA_BIAS``:
+tests change them at run time); it validates them again there and fails with an error, never
+a crash.
 
 This module imports nothing but the standard library and :mod:`.errors`.
 """
@@ -110,6 +111,10 @@ KNOBS: Tuple[Knob, ...] = (
          None, "rows per chunk when the CPU op widens bf16/fp16 to fp32 (default: by budget)"),
     Knob("PADDLE_MGRAD_CPU_FP64_KERNEL", "auto (default) or generic", _choice("auto", "generic"),
          "auto", "generic: force the portable fp64 micro-kernel of the CPU op"),
+    Knob("PADDLE_MGRAD_CUDA_BIAS", "auto (default), epilogue or kernel",
+         _choice("auto", "epilogue", "kernel"), "auto",
+         "how the CUDA op computes the bias gradient: cuBLASLt's epilogue fused into the GEMM "
+         "where it applies (auto), only that (epilogue), or the deterministic kernel (kernel)"),
     Knob("PADDLE_MGRAD_DETERMINISM_CHECK", "shapes (default), values or none",
          _choice("shapes", "values", "none"), "shapes",
          "how recomputation is checked against the forward pass"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from . import stats
 from ._compat import paddle
+from .collective_overlap import let_collective_start
 from .linear import _stash_for_backward, _weight_and_bias_grads
 from .registry import original
 
@@ -70,6 +71,8 @@ def input_grad(dy, weight):
 def grads_while(task, dx, x, dy, weight, bias):
     """The end of an overlapped backward (both overlap linears): dW/db through our op while
     ``task`` (dx's collective) runs, then wait for it; returns what the PyLayer returns."""
+    if task is not None:
+        let_collective_start(dy)  # Paddle's warning + small launch (GPU, connections != 1)
     with paddle.no_grad():
         dw, db = _weight_and_bias_grads(x, dy, weight, bias, False)
     if task is not None and hasattr(task, "wait"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from . import stats
 from ._compat import paddle
+from .collective_overlap import let_collective_start
 from .linear import _check_main_grads, _stash_for_backward
 from .overlap_linear import forward_matmul, grads_while, input_grad
 
@@ -68,6 +69,7 @@ class SPOverlapLinearWithGradAdd(paddle.autograd.PyLayer):
             input_parallel = paddle.empty(shape=shape, dtype=saved.dtype)
             gather_task = paddle.distributed.all_gather(input_parallel, saved, group=group,
                                                         sync_op=False)
+            let_collective_start(dy)  # as Paddle, before dx's GEMM
         else:
             input_parallel = saved
         dx = task = None

@@ -1,6 +1,10 @@
-"""GPU-only Python paths, exercised without a GPU: CUDA toolkit discovery on fake toolkits and
-wheels, the tiered CUDA build (CPU op survives with one warning), and the per-place dispatch to
-our op / Paddle's fused op / the fallback with a fake GPU placement."""
+"""GPU-only paths, exercised without a GPU: CUDA toolkit discovery on fake toolkits and wheels,
+the tiered CUDA build (CPU op survives with one warning), the build targets (the running GPU's
+capability), the per-place dispatch to our op / Paddle's fused op / the fallback with a fake GPU
+placement; the CUDA core's decisions (csrc/wgrad_gpu_plan.cc: alignment, kernel images, bias
+path, workspace, places) and the Paddle binding's GPU branch (csrc/wgrad_gpu_flow.h) on a
+recording fake host, both through the shipped module's C ABI; the overlap linears' GPU aid."""
+import ctypes
 import os
 import stat
 import types
@@ -156,6 +160,9 @@ class _FakeTk:
 
     def link_shims(self):
         return {}
+
+    def supported_codes(self):
+        return frozenset({"sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"})
 
 
 @pytest.fixture
@@ -336,3 +343,291 @@ def test_backend_strings_keep_their_old_meaning():
     assert ops._compose("cpp-onednn", "cuda") == "cpp-onednn+cuda"
     s = ops._compose("cpp-portable", "paddle-fused")
     assert s.startswith("cpp-") and "+cuda" not in s and s == "cpp-portable;gpu=paddle-fused"
+
+
+# ------------------------------------------------------------------ build targets (item 3)
+def test_build_targets_add_the_running_gpus_capability_when_not_covered():
+    assert bc.cuda_targets() == bc.DEFAULT_TARGETS == ("sm_80", "sm_90", "compute_90")
+    sup = frozenset({"sm_75", "sm_80", "sm_86", "sm_90", "sm_100"})
+    assert bc.cuda_targets([75], sup) == bc.DEFAULT_TARGETS + ("sm_75",)  # T4: nothing ran there
+    assert bc.cuda_targets([86, 89, 90], sup) == bc.DEFAULT_TARGETS  # sm_80/sm_90 SASS run there
+    assert bc.cuda_targets([100], sup) == bc.DEFAULT_TARGETS + ("sm_100",)  # PTX only: add SASS
+    assert bc.cuda_targets([70], sup) == bc.DEFAULT_TARGETS  # this nvcc cannot: the core refuses
+    assert bc.cuda_targets([70], None) == bc.DEFAULT_TARGETS + ("sm_70",)  # unknown: try
+    flags = bc.nvcc_flags(bc.cuda_targets([75], sup))
+    assert "-gencode=arch=compute_75,code=sm_75" in flags
+    assert "-gencode=arch=compute_90,code=compute_90" in flags
+    assert "-DPMG_CUDA_TARGETS=sm_80+sm_90+compute_90+sm_75" in flags
+    assert bc.NVCC_FLAGS == bc.nvcc_flags() and bc.NVCC_ARCH == bc.gencode_flags(bc.DEFAULT_TARGETS)
+
+
+def test_running_gpu_capability_reaches_the_nvcc_flags_and_the_key(monkeypatch):
+    monkeypatch.setattr(_build, "cuda_toolkit", lambda: _FakeTk(True))
+    plain = _build.build_config(cuda=True)[3]
+    key = _build.build_key(True)
+    monkeypatch.setattr(_build, "gpu_capabilities", lambda: [75])  # a T4 in this process
+    t4 = _build.build_config(cuda=True)[3]
+    assert "-gencode=arch=compute_75,code=sm_75" in t4 and not any("sm_75" in f for f in plain)
+    assert _build.build_key(True) != key
+
+
+def test_gpu_capabilities_reads_paddle_and_survives_cpu_paddle(monkeypatch):
+    cuda = paddle.device.cuda
+    monkeypatch.setattr(cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cuda, "get_device_capability", lambda i: [(9, 0), (7, 5)][i])
+    assert _build.gpu_capabilities() == [75, 90]
+    monkeypatch.setattr(cuda, "device_count", lambda: (_ for _ in ()).throw(RuntimeError("no")))
+    assert _build.gpu_capabilities() == []
+
+
+# ------------------------------------------------------------------ the core's decisions (C ABI)
+def _bench_module():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_wgrad_gpu_for_paths", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def capi(tmp_path_factory):
+    """The C ABI of the shipped op module (its decisions are compiled into every build); built
+    with the benchmark's g++ line when the op is not built here."""
+    g = _bench_module()
+    module = ops.load()
+    path = _build.library_path(module) if module is not None else \
+        g.build(str(tmp_path_factory.mktemp("capi")), cuda=False)
+    return g.Core(path, cuda=False)
+
+
+def test_pointer_alignment_for_cublaslt(capi):
+    al = capi.lib.pmg_pointer_alignment
+    assert al(0) == 256 and al(0x7F0000001000) == 256 and al(0x7F0000001100) == 256
+    base = 0x7F0000001000
+    assert [al(base + off) for off in (2, 4, 8, 16, 32, 128, 1, 6)] == [2, 4, 8, 16, 32, 128, 1, 2]
+
+
+def test_kernel_image_rule_matches_build_config(capi):
+    for targets in (bc.DEFAULT_TARGETS, ("sm_80",), ("compute_80",), ("sm_90a",),
+                    ("sm_75", "sm_80", "compute_90"), ("sm_100", "compute_120")):
+        text = "+".join(targets).encode()
+        for cap in (61, 70, 75, 80, 86, 89, 90, 100, 103, 120, 121):
+            assert bool(capi.lib.pmg_targets_cover(text, cap)) == bc.covers(targets, cap), (targets, cap)
+    t = b"sm_80+sm_90+compute_90"
+    assert not capi.lib.pmg_targets_cover(t, 70) and not capi.lib.pmg_targets_cover(t, 75)
+    assert all(capi.lib.pmg_targets_cover(t, c) for c in (80, 86, 89, 90, 100, 120))
+    assert not capi.lib.pmg_targets_cover(b"", 90)
+
+
+def _choose(capi, in_dtype="bfloat16", M=64, K=32, N=16, dw="float32", db="float32", mode="auto",
+            has_dw=True, has_db=True):
+    why = ctypes.create_string_buffer(256)
+    c = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
+    path = capi.lib.pmg_choose_bias(c[in_dtype], M, K, N, int(has_dw), c[dw], int(has_db), c[db],
+                                    {"auto": 0, "epilogue": 1, "kernel": 2}[mode], why, len(why))
+    return path, why.value.decode()
+
+
+def test_bias_path_decision(capi):
+    assert _choose(capi) == (1, "")  # the epilogue: fp32 compute, fp32 dW, a GEMM that runs
+    assert _choose(capi, "float16")[0] == 1 and _choose(capi, "float32")[0] == 1
+    path, why = _choose(capi, dw="bfloat16")  # multi_precision=False: dW (and so BGRAD) is bf16
+    assert path == 2 and "dweight is bfloat16" in why
+    path, why = _choose(capi, "float64", dw="float64", db="float64")
+    assert path == 2 and "float64" in why
+    assert _choose(capi, M=0) == (2, "no rows (M = 0)")
+    assert _choose(capi, K=0)[0] == 2 and _choose(capi, has_dw=False)[0] == 2
+    assert _choose(capi, has_db=False) == (0, "") and _choose(capi, N=0) == (0, "")
+    assert _choose(capi, mode="kernel") == (2, "PADDLE_MGRAD_CUDA_BIAS=kernel")
+    assert _choose(capi, mode="epilogue") == (1, "")
+    path, why = _choose(capi, dw="bfloat16", mode="epilogue")  # forced but impossible: refused
+    assert path == -1 and "dweight is bfloat16" in why
+
+
+def test_bias_mode_setting_is_parsed_like_env_py(capi):
+    from paddle_mgrad import env
+    from paddle_mgrad.errors import EnvError
+
+    err = ctypes.create_string_buffer(256)
+    parse = capi.lib.pmg_parse_bias_mode
+    for text, want in ((None, 0), (b"", 0), (b"auto", 0), (b" Kernel ", 2), (b"EPILOGUE", 1)):
+        assert parse(text, err, len(err)) == want, text
+        if text is not None:
+            assert env.get("PADDLE_MGRAD_CUDA_BIAS", {"PADDLE_MGRAD_CUDA_BIAS": text.decode()}) == \
+                ["auto", "epilogue", "kernel"][want]
+    assert parse(b"fused", err, len(err)) == -1
+    assert b"PADDLE_MGRAD_CUDA_BIAS='fused'" in err.value and b"epilogue" in err.value
+    with pytest.raises(EnvError, match="PADDLE_MGRAD_CUDA_BIAS"):
+        env.get("PADDLE_MGRAD_CUDA_BIAS", {"PADDLE_MGRAD_CUDA_BIAS": "fused"})
+
+
+def _plan(capi, path, M=4096, K=64, N=1000, gemm_ws=1000, sms=132, in_dtype=1):
+    out = (ctypes.c_int64 * 8)()
+    capi.lib.pmg_plan_workspace(in_dtype, M, K, N, path, gemm_ws, sms, out)
+    keys = ("gemm_offset", "tmp_offset", "tmp_bytes", "partial_offset", "partial_bytes", "splits",
+            "total", "request")
+    return dict(zip(keys, list(out)))
+
+
+def test_workspace_plan(capi):
+    e = _plan(capi, 1)  # epilogue: cuBLASLt's bytes, then N fp32 for the bias gradient
+    assert e["tmp_offset"] == 1024 and e["tmp_bytes"] == 4000 and e["total"] == 1024 + 4096
+    assert e["request"] == e["total"] + 255 and e["splits"] == 0 and e["partial_bytes"] == 0
+    k = _plan(capi, 2)  # kernel: partial sums, the GPU filled ~4x, >= 64 rows a slice
+    assert k["splits"] == min(4 * 132 // 4, 4096 // 64) and k["partial_offset"] == 1024
+    assert k["partial_bytes"] == k["splits"] * 1000 * 4
+    assert _plan(capi, 2, in_dtype=3)["partial_bytes"] == k["splits"] * 1000 * 8  # fp64 sums
+    assert _plan(capi, 2, M=0, gemm_ws=0)["request"] == 0  # no rows: nothing to allocate
+    assert _plan(capi, 0, gemm_ws=0)["request"] == 0
+    assert _plan(capi, 2, M=10 ** 6, N=10 ** 7)["splits"] == 1  # a huge N: one slice, no cap
+    for p in (_plan(capi, 1, gemm_ws=777), _plan(capi, 2, gemm_ws=5000)):
+        assert all(p[k] % 256 == 0 for k in ("gemm_offset", "tmp_offset", "partial_offset", "total"))
+
+
+def test_element_alignment_check(capi):
+    err = ctypes.create_string_buffer(256)
+    chk = capi.lib.pmg_check_element_alignment
+    base = 0x7F0000001000
+    assert chk(base + 2, base, 1, 4, 4, 4, base, 0, base, 0, err, 256) == 0  # bf16 at +2: a view
+    assert chk(base + 2, base, 0, 4, 4, 4, base, 0, base, 0, err, 256) == 1  # fp32 at +2: not
+    assert b"x pointer" in err.value and b"4 bytes for float32" in err.value
+    assert chk(base, base, 1, 4, 4, 4, base + 2, 0, base, 0, err, 256) == 1
+    assert b"dweight" in err.value
+    assert chk(base, base, 1, 4, 4, 4, base, 0, base + 4, 3, err, 256) == 1  # fp64 bias at +4
+    assert b"dbias" in err.value
+    assert chk(base + 2, base, 0, 0, 4, 4, base, 0, None, 0, err, 256) == 0  # M = 0: x unread
+
+
+def _places(capi, spec):
+    kinds = (ctypes.c_int * 4)(*[k for k, _ in spec] + [0] * (4 - len(spec)))
+    devs = (ctypes.c_int * 4)(*[d for _, d in spec] + [0] * (4 - len(spec)))
+    err = ctypes.create_string_buffer(256)
+    rc = capi.lib.pmg_check_places(kinds, devs, len(spec), err, len(err))
+    return rc, err.value.decode()
+
+
+def test_every_input_must_be_on_xs_device(capi):
+    assert _places(capi, [(1, 1), (1, 1), (1, 1), (1, 1)]) == (0, "")
+    assert _places(capi, [(0, 0), (0, 0), (0, 0)]) == (0, "")
+    rc, msg = _places(capi, [(1, 0), (1, 1)])
+    assert rc == 1 and msg.startswith("dout is on gpu:1 but x is on gpu:0")
+    rc, msg = _places(capi, [(1, 0), (1, 0), (0, 0)])
+    assert rc == 1 and "dweight is on cpu" in msg
+    rc, msg = _places(capi, [(0, 0), (0, 0), (0, 0), (1, 3)])
+    assert rc == 1 and "dbias is on gpu:3 but x is on cpu" in msg
+    rc, msg = _places(capi, [(2, 0), (2, 0)])
+    assert rc == 1 and "x is on an unsupported place" in msg
+
+
+# ------------------------------------------------------------------ the binding's GPU branch
+def _flow(capi, places=((1, 1), (1, 1), (1, 1), (1, 1)), has_dweight=True, has_bias=True,
+          has_dbias=True, env=None, current=0, fail=0, in_dtype=1):
+    n = 2 + int(has_dweight) + int(has_bias and has_dbias)
+    spec = list(places)[:n]
+    kinds = (ctypes.c_int * 4)(*[k for k, _ in spec] + [0] * (4 - n))
+    devs = (ctypes.c_int * 4)(*[d for _, d in spec] + [0] * (4 - n))
+    trace, err = ctypes.create_string_buffer(1024), ctypes.create_string_buffer(512)
+    rc = capi.lib.pmg_fake_gpu_flow(kinds, devs, int(has_dweight), int(has_bias), int(has_dbias),
+                                    in_dtype, env, current, fail, trace, len(trace), err, len(err))
+    return rc, trace.value.decode().split(), err.value.decode()
+
+
+def test_binding_enters_the_device_guard_before_stream_and_allocations(capi):
+    """x on gpu:1 while the thread's current device is 0: the guard comes first, then the stream
+    and the fresh outputs (on gpu:1), then the core, told gpu:1 and gpu:1's stream explicitly, with
+    scratch from the host's allocator; the guard is released last."""
+    rc, steps, err = _flow(capi, ((1, 1), (1, 1)), has_dweight=False, has_dbias=False, current=0)
+    assert rc == 0, err
+    assert steps[:5] == ["guard(1)", "stream(1)", "alloc-dweight(1)", "alloc-dbias(1)",
+                         "core(device=1,stream=1,bias=auto)"]
+    assert steps[5].startswith("workspace(") and steps[5].endswith("@1)")  # N fp32 for BGRADA
+    assert steps[6:] == ["unguard(0)"]
+
+
+def test_binding_accumulates_into_given_outputs_without_allocating(capi):
+    rc, steps, _ = _flow(capi, current=1)
+    assert rc == 0 and not [s for s in steps if s.startswith("alloc-")]
+    assert steps[0] == "guard(1)" and steps[-1] == "unguard(1)"
+    rc, steps, _ = _flow(capi, has_bias=False, current=1)  # no bias: nothing to allocate at all
+    assert rc == 0 and not [s for s in steps if s.startswith(("alloc-", "workspace("))]
+
+
+def test_binding_refuses_misplaced_inputs_before_touching_a_device(capi):
+    rc, steps, err = _flow(capi, ((1, 1), (1, 1), (1, 0), (1, 1)))
+    assert rc == 1 and steps == [] and "dweight is on gpu:0 but x is on gpu:1" in err
+    rc, steps, err = _flow(capi, ((1, 0), (0, 0), (1, 0), (1, 0)))
+    assert rc == 1 and steps == [] and "dout is on cpu" in err
+
+
+def test_binding_reads_the_bias_setting_before_touching_a_device(capi):
+    rc, steps, err = _flow(capi, env=b"kernel")
+    assert rc == 0 and "core(device=1,stream=1,bias=kernel)" in steps
+    rc, steps, err = _flow(capi, env=b"fused")
+    assert rc == 1 and steps == [] and "PADDLE_MGRAD_CUDA_BIAS='fused'" in err
+
+
+def test_binding_failures_stop_the_flow_where_they_happen(capi):
+    rc, steps, err = _flow(capi, fail=1)  # the guard: no stream, no allocation, no core
+    assert rc == 1 and steps == ["guard-failed"] and "gpu:1" in err
+    rc, steps, err = _flow(capi, fail=2, current=0)  # Paddle's allocator said no
+    assert rc == 1 and "could not allocate" in err and steps[-1] == "unguard(0)"
+    assert steps[-2].startswith("workspace(")
+    rc, steps, err = _flow(capi, fail=4, current=0)
+    assert rc == 1 and err == "fake core failure" and steps[-1] == "unguard(0)"
+
+
+# ------------------------------------------------------------------ overlap linears (item 6)
+@pytest.fixture
+def overlap_aid(monkeypatch):
+    from paddle_mgrad import collective_overlap as co
+
+    launches = []
+    monkeypatch.setattr(co, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(co.paddle, "ones", lambda shape: launches.append(list(shape)))
+    monkeypatch.setitem(co._state, "warned", False)
+    return co, launches
+
+
+def test_overlap_aid_warns_once_and_launches_unless_one_connection(monkeypatch, overlap_aid):
+    co, launches = overlap_aid
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert co.let_collective_start(paddle.zeros([2])) and co.let_collective_start(paddle.zeros([2]))
+    msgs = [str(m.message) for m in w if "CUDA_DEVICE_MAX_CONNECTIONS" in str(m.message)]
+    assert len(msgs) == 1 and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in msgs[0]
+    assert launches == [[512], [512]]
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert not co.let_collective_start(paddle.zeros([2])) and len(launches) == 2
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert co.let_collective_start(paddle.zeros([2])) and len(launches) == 3
+
+
+def test_overlap_aid_is_gpu_only(monkeypatch):
+    from paddle_mgrad import collective_overlap as co
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    launches = []
+    monkeypatch.setattr(co.paddle, "ones", lambda shape: launches.append(shape))
+    assert not co.let_collective_start(paddle.zeros([2])) and launches == []  # CPU tensor
+
+
+def test_overlapped_backward_lets_the_collective_start_before_dw(monkeypatch, overlap_aid):
+    from paddle_mgrad import overlap_linear as ol
+
+    co, launches = overlap_aid
+    order = []
+    monkeypatch.setattr(ol, "let_collective_start", lambda t: order.append("aid"))
+    monkeypatch.setattr(ol, "_weight_and_bias_grads", lambda *a: order.append("dW") or (None, None))
+
+    class Task:
+        def wait(self):
+            order.append("wait")
+
+    ol.grads_while(Task(), None, None, paddle.zeros([2]), None, None)
+    assert order == ["aid", "dW", "wait"]
+    order.clear()
+    ol.grads_while(None, None, None, paddle.zeros([2]), None, None)  # no collective: no aid
+    assert order == ["dW"]

@@ -85,3 +85,96 @@ def test_script_shares_the_packages_build_config_and_needs_no_paddle():
         "tk = g.toolkit(); print('OK', g.bc.NVCC_FLAGS, tk.ok or tk.problem())\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+
+
+def test_new_flags_and_items():
+    a = gpu.parse_args(["--no-sanitizer", "--budget", "200"])
+    assert a.no_sanitizer and a.budget == 200.0 and not a.sanitize_case
+    assert gpu.parse_args([]).budget < 300  # the whole run fits the 5 minutes
+    assert gpu.ITEMS == ["build", "values", "offsets", "bias", "streams", "graph", "fp64",
+                         "capability", "checks", "sanitizer", "speed"]
+    assert gpu.TARGET_VS_GEMM == 1.05 and gpu.TARGET_BIAS == 1.03
+
+
+def test_offset_cases_are_views_of_real_data():
+    """+2/+4/+8/+16 bytes for x, dy, main_grad and the bias gradient, each only where the offset
+    is a multiple of its element size (an fp32 tensor never starts at +2)."""
+    cases = gpu.offset_cases()
+    assert ("bfloat16", 2, ["x", "dy"]) in cases and ("float16", 2, ["x", "dy"]) in cases
+    assert ("bfloat16", 4, ["x", "dy", "main_grad", "bias"]) in cases
+    assert ("float64", 8, ["x", "dy", "main_grad", "bias"]) in cases
+    assert not [c for c in cases if c[0] == "float32" and c[1] == 2]
+    assert not [c for c in cases if c[0] == "float64" and c[1] in (2, 4)]
+    assert {off for _, off, _ in cases} == {2, 4, 8, 16}
+    for dt, off, moved in cases:
+        acc = "float64" if dt == "float64" else "float32"
+        for name in moved:
+            assert off % gpu.ELEM[acc if name in ("main_grad", "bias") else dt] == 0
+
+
+def test_sanitizer_summary_and_finder(tmp_path, monkeypatch):
+    assert gpu.sanitizer_summary("...\n========= ERROR SUMMARY: 0 errors\n") == (0, True)
+    assert gpu.sanitizer_summary("========= ERROR SUMMARY: 3 errors") == (3, False)
+    assert gpu.sanitizer_summary("timed out after 60 s") == (None, False)
+    home = tmp_path / "cuda"
+    tool = home / "bin" / "compute-sanitizer"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr(gpu.shutil, "which", lambda name: None)
+
+    class Tk:
+        pass
+
+    tk = Tk()
+    tk.home = str(home)
+    assert gpu.find_sanitizer(tk) == str(tool)
+
+
+def test_the_one_table():
+    report = {"device": "NVIDIA H200", "torch": "2.11", "cuda": "13.0", "targets_built": "sm_80+sm_90",
+              "date": "2026-01-01", "seconds": 200,
+              "checks": [
+                  {"item": "build", "case": "targets sm_80+sm_90", "ok": True, "detail": "20 s"},
+                  {"item": "values", "case": "a", "ok": True, "detail": ""},
+                  {"item": "values", "case": "b", "ok": False, "detail": "err/bound 3.1"},
+                  {"item": "graph", "case": "-", "ok": None, "detail": "simulation"},
+              ],
+              "bench": [{"shape": [8192, 4096, 4096], "ours_ms": 1.0, "ours_with_bias_ms": 1.02,
+                         "bias_path": "epilogue", "ours_bias_kernel_ms": 1.1, "bf16_gemm_ms": 0.97,
+                         "unfused_ms": 1.5, "ours_tflops": 275.0, "ours_vs_gemm": 1.0 / 0.97,
+                         "bias_vs_ours": 1.02},
+                        {"shape": [16384, 4096, 14336], "ours_ms": 1.2, "ours_with_bias_ms": 1.3,
+                         "bias_path": "kernel", "ours_bias_kernel_ms": 1.3, "bf16_gemm_ms": 1.0,
+                         "unfused_ms": 1.5, "ours_tflops": 275.0, "ours_vs_gemm": 1.2,
+                         "bias_vs_ours": 1.3 / 1.2}]}
+    text = gpu.table(report)
+    lines = text.splitlines()
+    assert "NVIDIA H200" in lines[0] and "sm_80+sm_90" in lines[0]
+    assert [ln for ln in lines if ln.startswith("values") and "1/2" in ln]
+    assert [ln for ln in lines if "FAIL" in ln and "err/bound 3.1" in ln]
+    assert [ln for ln in lines if ln.startswith("graph") and "n/a" in ln]
+    assert [ln for ln in lines if ln.startswith("sanitizer") and "not run" in ln]
+    rows = [ln for ln in lines if "8192x4096x4096" in ln or "16384x4096x14336" in ln]
+    assert "met" in rows[0] and "MISSED" in rows[1] and "epilogue" in rows[0]
+    assert gpu.speed_verdict(report["bench"][0]) == (True, True)
+    assert gpu.speed_verdict(report["bench"][1]) == (False, False)
+
+
+def test_core_report_fields():
+    info = "cap=90 bias=kernel (dweight is bfloat16 (...)) align=256,2,16,16 workspace=4351@allocator cached=1"
+    assert gpu.info_field(info, "cap") == "90" and gpu.info_field(info, "bias") == "kernel"
+    assert gpu.info_field(info, "align") == "256,2,16,16"
+    assert gpu.info_field(info, "workspace") == "4351@allocator"
+    assert gpu.info_field(info, "nothing") is None
+
+
+def test_cpu_library_carries_the_decisions_and_no_cuda(tmp_path):
+    core = gpu.Core(gpu.build(str(tmp_path), cuda=False), cuda=False)
+    assert core.lib.pmg_has_cuda() == 0
+    assert core.lib.pmg_pointer_alignment(0x1002) == 2
+    assert core.lib.pmg_targets_cover(b"sm_80+sm_90+compute_90", 90) == 1
+    import pytest
+
+    with pytest.raises(AttributeError):
+        core.lib.pmg_wgrad_cuda_ex  # noqa: B018  (the CUDA entry points exist only with CUDA)

@@ -73,6 +73,16 @@ def with_cuda() -> bool:
     return want_cuda() and cuda_toolkit().ok
 
 
+def gpu_capabilities() -> list:
+    """Compute capabilities (major * 10 + minor) of the GPUs this process sees; [] without."""
+    try:
+        cuda = paddle.device.cuda
+        return sorted({a * 10 + b for a, b in (cuda.get_device_capability(i)
+                                               for i in range(cuda.device_count()))})
+    except Exception:  # CPU Paddle, no driver: nothing to add
+        return []
+
+
 def build_config(cuda=None):
     """(sources, cxx flags, ld flags, nvcc flags) for the Paddle module; ``cuda`` defaults to
     :func:`with_cuda`."""
@@ -90,7 +100,8 @@ def build_config(cuda=None):
         incs = [f"-I{d}" for d in tk.include_dirs]
         cflags += [bc.CUDA_DEFINE] + incs
         sources += CUDA_SOURCES
-        nvcc = list(bc.NVCC_FLAGS) + incs
+        # the running GPUs' capabilities go into the targets, so into the flags and the key
+        nvcc = bc.nvcc_flags(bc.cuda_targets(gpu_capabilities(), tk.supported_codes())) + incs
         ldflags += tk.link_args()
     return sources, cflags, ldflags, nvcc
 

@@ -43,19 +43,80 @@ import subprocess
 import sys
 
 # ------------------------------------------------------------------- sources and flags
-CORE_SOURCES = ["wgrad_cpu.cc"]                 # framework-free CPU core
+# framework-free CPU core + the GPU path's decisions (no CUDA in them: CPU tests reach them)
+CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_gpu_plan.cc"]
 PADDLE_SOURCES = ["wgrad_op.cc"]                # the Paddle binding (PD_BUILD_OP)
 CAPI_SOURCES = ["wgrad_capi.cc"]                # C ABI for ctypes (benchmarks, no-GPU checks)
-CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt + bias reduction
-HEADERS = ["wgrad_core.h", "wgrad_cuda.h"]
+CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) + bias reduction
+HEADERS = ["wgrad_core.h", "wgrad_cuda.h", "wgrad_gpu_plan.h", "wgrad_gpu_flow.h"]
 
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 LD_FLAGS = ["-fopenmp"]
-# sm_80 (A100), sm_90 (H100/H200) SASS + compute_90 PTX for anything newer.
-NVCC_ARCH = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-             "-gencode=arch=compute_90,code=compute_90"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "-DPMG_WITH_CUDA"] + NVCC_ARCH
+# Code targets: sm_80 (A100) and sm_90 (H100/H200) SASS, compute_90 PTX for anything newer;
+# cuda_targets() adds SASS for the GPUs of the building machine that these do not cover.
+DEFAULT_TARGETS = ("sm_80", "sm_90", "compute_90")
 CUDA_DEFINE = "-DPMG_WITH_CUDA"
+
+
+def gencode_flags(targets) -> list:
+    """``-gencode`` flags for targets such as ``sm_80`` (SASS) and ``compute_90`` (PTX)."""
+    out = []
+    for t in targets:
+        kind, num = t.split("_", 1)
+        arch = "compute_" + num
+        out.append(f"-gencode=arch={arch},code={'sm_' + num if kind == 'sm' else arch}")
+    return out
+
+
+def nvcc_flags(targets=DEFAULT_TARGETS) -> list:
+    """nvcc flags for our .cu: the targets' -gencode flags, and the targets recorded in the
+    binary (``-DPMG_CUDA_TARGETS=sm_80+sm_90+compute_90``), so that the core can refuse a GPU
+    they do not cover with a clear error before it writes anything."""
+    return (["-O3", "-std=c++17", CUDA_DEFINE] + gencode_flags(targets)
+            + [f"-DPMG_CUDA_TARGETS={'+'.join(targets)}"])
+
+
+def covers(targets, capability: int) -> bool:
+    """Whether code built for ``targets`` runs on a GPU of ``capability`` (major * 10 + minor):
+    SASS ``sm_XY`` on the same major with minor >= Y, PTX ``compute_XY`` on any capability
+    >= XY (the driver JIT-compiles it).  The C++ side's ``pmg::targets_cover`` is the same rule."""
+    for t in targets:
+        kind, num = t.split("_", 1)
+        digits = "".join(c for c in num if c.isdigit())
+        if not digits:
+            continue
+        v = int(digits)
+        if num.endswith("a"):
+            if v == capability:
+                return True
+        elif kind == "sm":
+            if v // 10 == capability // 10 and v % 10 <= capability % 10:
+                return True
+        elif v <= capability:
+            return True
+    return False
+
+
+def cuda_targets(capabilities=(), supported=None) -> tuple:
+    """The targets to build: :data:`DEFAULT_TARGETS` plus native SASS (``sm_XY``) for each
+    running GPU's capability that no default SASS covers (PTX alone would be JIT-compiled at
+    load, or not run at all on an older GPU), when ``supported`` (the ``sm_*`` names this nvcc
+    can build, None = unknown: assume yes) allows.  A GPU left uncovered gets a clear error
+    from the core, before any write."""
+    out = list(DEFAULT_TARGETS)
+    sass = [t for t in out if t.startswith("sm_")]
+    for cap in sorted(set(int(c) for c in capabilities)):
+        name = f"sm_{cap}"
+        if covers(sass, cap) or name in out:
+            continue
+        if supported is not None and name not in supported:
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+NVCC_ARCH = gencode_flags(DEFAULT_TARGETS)
+NVCC_FLAGS = nvcc_flags()
 ONEDNN_DEFINE = "-DPMG_WITH_ONEDNN"
 # The only CUDA library our code calls (cuBLAS proper is not used).  libcudart is linked by
 # Paddle's JIT (-lcudart) or, in the benchmark, by nvcc itself (static cudart).
@@ -195,6 +256,19 @@ class CudaToolkit:
             if path and not os.path.exists(os.path.join(os.path.dirname(path), f"lib{c}.so")):
                 out[f"lib{c}.so"] = path
         return out
+
+    def supported_codes(self, run=subprocess.run):
+        """The ``sm_*`` targets this nvcc can build (``nvcc --list-gpu-code``); None if unknown."""
+        if not self.nvcc:
+            return None
+        if not hasattr(self, "_codes"):
+            try:
+                out = run([self.nvcc, "--list-gpu-code"], capture_output=True, text=True,
+                          timeout=60).stdout or ""
+                self._codes = frozenset(re.findall(r"\bsm_\w+", out)) or None
+            except (OSError, subprocess.SubprocessError):
+                self._codes = None
+        return self._codes
 
     def summary(self) -> str:
         if not self.ok:
