@@ -109,7 +109,9 @@ def step_cache(name="cache"):
         prebuilt = [{"directory": os.path.join(pre, k), "key": k,
                      "complete": os.path.exists(os.path.join(pre, k, ".complete")),
                      "current": k in keys} for k in sorted(os.listdir(pre))]
-    emit(name, root=root, from_env=bool(os.environ.get("PADDLE_MGRAD_CACHE")),
+    from paddle_mgrad import env
+
+    emit(name, root=root, from_env=env.raw("PADDLE_MGRAD_CACHE") is not None,
          current=current, builds=builds, lister=lister, prebuilt_root=pre, prebuilt=prebuilt,
          will_load=[os.path.join(p, k) for k in sorted(keys) for p in (pre, root)
                     if os.path.exists(os.path.join(p, k, ".complete"))])

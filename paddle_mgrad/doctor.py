@@ -502,6 +502,14 @@ def diagnose(facts) -> list:
                    "file to retry (or set PADDLE_MGRAD_NO_CUDA=1 to stop trying)")
         bad("op", f"GPU tensors run {GEMM_NAMES.get(gpu, gpu)}, not our CUDA op: {why[:300]}", fix)
 
+    # any other step that raised: the doctor could not find out something it reports
+    for probe, step in (("probe_paddle", "paddle"), ("probe_paddle", "selftest_paddle"),
+                        ("probe_op", "cache_after"), ("probe_op", "cpu")):
+        failed = _step(facts, probe, step).get("failed")
+        if failed:
+            bad("doctor", f"the doctor's step '{step}' failed: {failed}",
+                "report it: python -m paddle_mgrad doctor --json > doctor.json")
+
     st = _step(facts, "probe_op", "selftest_paddle_mgrad")
     if po and not crashed and st and not st.get("started"):
         wrong = []

@@ -286,3 +286,25 @@ def test_usage_and_unknown_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "paddle_mgrad", "doktor"], capture_output=True,
                        text=True, env=env, cwd=str(tmp_path), timeout=120)
     assert r.returncode == 2 and "unknown command 'doktor'" in r.stderr
+
+
+def test_a_failing_step_is_a_problem(tmp_path):
+    """A step of the probes that raises (here: cpu_info, broken on purpose in the probe through a
+    sitecustomize) is reported as the doctor's own problem, not silently left out."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(
+        "import importlib.util, os, sys\n"
+        f"spec = importlib.util.spec_from_file_location('pmg_ev', {os.path.join(EVIDENCE, 'sitecustomize.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "if sys.argv[-2:-1] == ['op']:\n"
+        "    def _break(mod):\n"
+        "        def cpu_info():\n"
+        "            raise RuntimeError('cpu_info broken on purpose')\n"
+        "        mod.cpu_info = cpu_info\n"
+        "    m._after_import('paddle_mgrad.ops', _break)\n")
+    r, d = run_doctor(tmp_path, "--json", pythonpath=[str(broken)])
+    assert r.returncode == 1
+    (p,) = d["problems"]
+    assert p["area"] == "doctor" and "'cpu' failed: RuntimeError: cpu_info broken on purpose" in p["problem"]
+    assert "report it" in p["fix"]
