@@ -541,7 +541,7 @@ def _needs_line(facts):
                 f"({names}) without main_grad -- you need paddle_mgrad (PADDLE_MGRAD=recompute "
                 "or all)")
     return ("keeps main_grad in the seed case (backward gets the parameter): this Paddle has "
-            "no seed bug; paddle_mgrad adds the CPU fused op and the fixes in docs/limits.md")
+            "no seed bug; paddle_mgrad adds the CPU fused op and the fixes in docs/how-it-works.md")
 
 
 def verdict(facts, problems):
