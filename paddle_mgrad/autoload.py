@@ -88,15 +88,42 @@ def activate(value=None, log=True) -> dict:
 
 
 def _write_report(directory, value):
-    snap = stats.snapshot()
-    report = {"pid": os.getpid(), "rank": _rank(), "argv": sys.argv, ENV: value,
-              "active": _state["active"], "enabled_at_exit": enabled(),
-              "recompute": snap["recompute"], "linear": snap["linear"],
-              "paddle_c_ops": snap["paddle_c_ops"], "fused_params": sorted(snap["fused_params"])}
-    os.makedirs(directory, exist_ok=True)
+    """Write this process's report into ``directory`` (created 0700 if missing).
+
+    Never a traceback at exit: a path that is not a usable directory gives one line on stderr.
+    The file is created under a fresh temporary name (``O_EXCL | O_NOFOLLOW``) and renamed into
+    place, so a symbolic link planted at the report's name is replaced, never written through.
+    """
     name = f"paddle_mgrad_report.{_rank() or 'main'}.{os.getpid()}.json"
-    with open(os.path.join(directory, name), "w") as f:
-        json.dump(report, f, indent=1)
+    tmp = None
+    try:
+        snap = stats.snapshot()
+        report = {"pid": os.getpid(), "rank": _rank(), "argv": sys.argv, ENV: value,
+                  "active": _state["active"], "enabled_at_exit": enabled(),
+                  "recompute": snap["recompute"], "linear": snap["linear"],
+                  "paddle_c_ops": snap["paddle_c_ops"],
+                  "fused_params": sorted(snap["fused_params"])}
+        if os.path.lexists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(f"{directory} exists and is not a directory")
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o700, exist_ok=True)  # ranks race here
+        tmp = os.path.join(directory, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, os.path.join(directory, name))  # replaces a link, never follows it
+        tmp = None
+    except Exception as e:  # at exit: one line, never a traceback
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"paddle_mgrad: warning: {REPORT_ENV}={directory}: no report written ({reason}); "
+              "point it at a directory you can write", file=sys.stderr, flush=True)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def _activate_from_hook():
