@@ -6,6 +6,7 @@
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
     nox -s fleet                         # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
     nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
+    nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
@@ -27,6 +28,10 @@ PADDLE_PINS = {
 }
 NLP_PINS = ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26", "datasets<3",
             "pyarrow<19", "tqdm"]
+# The original report's stack: PaddleNLP 2.7.2 needs the same pins as 2.8.1 to import.
+NLP272_PINS = ["paddlenlp==2.7.2"] + NLP_PINS[1:]
+NLP272_TESTS = ["tests/nlp/test_llama_example.py", "tests/nlp/test_paddlenlp_llm.py",
+                "tests/nlp/test_paddlenlp_cpu_gap.py"]
 # PaddleFormers 1.2.0 resolves datasets 5.x -> pyarrow>=24 (numpy>=2), while its fast_dataindex
 # pins numpy<=1.26.4: "pyarrow requires NumPy 2.0 or newer" at import.  These make it import.
 FORMERS_PINS = ["paddleformers==1.2.0", "datasets>=3,<4", "pyarrow<19"]
@@ -76,6 +81,20 @@ def nlp(session, paddle):
     """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
     _install(session, paddle, NLP_PINS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/nlp", *session.posargs,
+                env=ENV)
+
+
+@nox.session
+@_frees_venv
+def nlp272(session):
+    """Paddle 2.6.2 + PaddleNLP 2.7.2, the original report's stack: tests/nlp's llama example and
+    PaddleNLP-style llm script tests, unchanged (through PADDLE_MGRAD), and the CPU-gap test.
+    Listed, not the whole directory: other tests/nlp files use models PaddleNLP 2.7.2 lacks
+    (e.g. Mixtral).  PaddleNLP 2.7.2's Trainer calls paddle.device.synchronize() on CPU
+    (TypeError, with or without paddle_mgrad): the tests stand in for it
+    (tests/nlp/cpu_nlp_standins.py) and assert the failure without it."""
+    _install(session, "2.6.2", NLP272_PINS)
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *NLP272_TESTS, *session.posargs,
                 env=ENV)
 
 
@@ -144,13 +163,17 @@ def gpu_wheel(session):
     for cache in caches.values():  # first use must build: fresh JIT caches every run
         shutil.rmtree(cache, ignore_errors=True)
     check = os.path.join(root, ".ci", "gpu_wheel_check.py")
+    # the doctor on a CUDA Paddle: names the pip command for cuBLASLt, then says healthy (+cuda)
+    doctor = os.path.join(root, ".ci", "doctor_gpu_wheel_check.py")
     tmp = session.create_tmp()  # run outside the checkout: import the installed package
     session.chdir(tmp)
     session.run("python", check, "no-cublas", "--installed",
                 env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"]))
+    session.run("python", doctor, "no-cublas", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"]))
     session.install(CUBLAS_WHEEL)
     session.run("python", check, "cuda", "--installed",
                 env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
+    session.run("python", doctor, "cuda", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
     session.chdir(root)
     # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).

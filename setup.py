@@ -67,7 +67,12 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6"],
         "nlp": ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26",
                 "datasets<3", "pyarrow<19"],
+        # the original report's stack: PaddleNLP 2.7.2 on Paddle 2.6.2 (same pins)
+        "nlp27": ["paddlenlp==2.7.2", "aistudio-sdk==0.1.7", "huggingface_hub<0.26",
+                  "datasets<3", "pyarrow<19"],
     },
+    # `paddle-mgrad doctor` == `python -m paddle_mgrad doctor` (paddle_mgrad/_cli.py knows the name)
+    entry_points={"console_scripts": ["paddle-mgrad = paddle_mgrad.__main__:main"]},
     cmdclass={"build_py": BuildPy},
     zip_safe=False,
 )

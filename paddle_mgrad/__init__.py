@@ -5,15 +5,24 @@ Quick start::
 
     import paddle_mgrad
     paddle_mgrad.enable(recompute=True, fused_linear=True)   # before building the model
+
+``python -m paddle_mgrad doctor`` says what runs where and whether it works.
 """
-from . import _compat  # noqa: F401  (imports zlib before paddle on 2.6)
-from . import stats
-from .errors import FlagError, FusedLinearError, RecomputeError
-from .switch import disable, enable, enabled
-from .recomputation import recompute
-from .linear import FusedLinearWithGradAdd, fused_linear
+from ._cli import command_line_process as _command_line_process
 
 __version__ = "0.1.0"
+
+# `python -m paddle_mgrad doctor` (or the paddle-mgrad script): import nothing of Paddle, check
+# nothing, switch nothing on here -- the doctor probes all of it in subprocesses (see _cli.py).
+_AS_COMMAND_LINE = _command_line_process()
+
+if not _AS_COMMAND_LINE:
+    from . import _compat  # noqa: F401  (imports zlib before paddle on 2.6)
+    from . import stats
+    from .errors import FlagError, FusedLinearError, RecomputeError
+    from .switch import disable, enable, enabled
+    from .recomputation import recompute
+    from .linear import FusedLinearWithGradAdd, fused_linear
 
 
 def _activate_if_pending():
@@ -29,7 +38,8 @@ def _activate_if_pending():
         _activate_from_hook()
 
 
-_activate_if_pending()
+if not _AS_COMMAND_LINE:
+    _activate_if_pending()
 
 __all__ = [
     "__version__", "enable", "disable", "enabled", "recompute", "RecomputeError",

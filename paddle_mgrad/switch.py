@@ -4,7 +4,6 @@ Everything they change inside Paddle is listed in :mod:`paddle_mgrad.registry`.
 """
 from __future__ import annotations
 
-from . import registry
 from .errors import FlagError
 
 __all__ = ["enable", "disable", "enabled", "parse_activation", "ACTIVATION_VALUES"]
@@ -29,6 +28,8 @@ def enable(recompute: bool = True, fused_linear: bool = False):
 
     A feature passed as ``False`` is switched off if it was on.
     """
+    from . import registry  # local: parse_activation must not import Paddle (env, doctor)
+
     for feature, on in (("recompute", recompute), ("fused_linear", fused_linear)):
         if on:
             registry.install(feature)
@@ -43,11 +44,15 @@ def disable():
     (the backward error translation; on Paddle 2.6 the ``save_for_backward``
     None shim), so call it between runs, not while a graph awaits backward.
     """
+    from . import registry
+
     registry.uninstall(None)
 
 
 def enabled() -> dict:
     """``{"recompute": bool, "fused_linear": bool}``."""
+    from . import registry
+
     return {"recompute": registry.is_installed("recompute"),
             "fused_linear": registry.is_installed("linear")}
 

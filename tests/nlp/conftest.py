@@ -6,15 +6,23 @@ import sys
 
 import pytest
 
+import cpu_nlp_standins
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "llama", "run_pretrain.py")
 CONFIG = os.path.join(ROOT, "examples", "llama", "pretrain_cpu.json")
+EVIDENCE = os.path.join(ROOT, "tests", "nlp", "evidence")
 
 
-def run_example(out_dir, *flags, nproc=1, timeout=900):
+def run_example(out_dir, *flags, nproc=1, timeout=900, cpu_sync_standin=None):
     """Run the llama example (optionally under paddle.distributed.launch); returns
-    (returncode, stdout+stderr, summary dict or None)."""
+    (returncode, stdout+stderr, summary dict or None).  ``cpu_sync_standin`` (default: when this
+    PaddleNLP needs it, 2.7.x): see cpu_nlp_standins.py."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if cpu_sync_standin is None:
+        cpu_sync_standin = cpu_nlp_standins.needs_cpu_sync_standin()
+    if cpu_sync_standin:
+        cpu_nlp_standins.request(env, EVIDENCE)
     base = [EXAMPLE, CONFIG, "--output_dir", str(out_dir), "--logging_steps", "1",
             "--save_steps", "1000", *map(str, flags)]
     if nproc > 1:

@@ -7,6 +7,8 @@ tests/nlp/test_paddlenlp_llm.py; never part of the package).
 * ``PMG_TEST_AUDIT_DIR``: when PaddleNLP's ``Trainer`` is imported, wrap ``Trainer.train``
   to attach ``paddle_mgrad.audit.MainGradAudit`` to the model and write, per process,
   ``audit.<rank>.json``: the audit, paddle_mgrad's counters and what is installed.
+* ``PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN``: when PaddleNLP's trainer module is imported, apply
+  tests/nlp/cpu_nlp_standins.py's stand-in (PaddleNLP 2.7.x on CPU).
 Imports nothing heavy at start: no paddle.
 """
 import os
@@ -86,5 +88,24 @@ def _instrument(trainer_module):
     Trainer.train = train_with_audit
 
 
-if os.environ.get("PMG_TEST_AUDIT_DIR"):
-    _after_import("paddlenlp.trainer.trainer", _instrument)
+def _standin(_trainer_module):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "cpu_nlp_standins.py")
+    spec = importlib.util.spec_from_file_location("pmg_test_cpu_nlp_standins", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.paddlenlp27_cpu_synchronize_standin()
+
+
+def _on_trainer_import(trainer_module):
+    # one import hook per module (two would both wrap and unwrap the same loader)
+    if os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1":
+        _standin(trainer_module)
+    if os.environ.get("PMG_TEST_AUDIT_DIR"):
+        _instrument(trainer_module)
+
+
+if os.environ.get("PMG_TEST_AUDIT_DIR") or os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1":
+    _after_import("paddlenlp.trainer.trainer", _on_trainer_import)
