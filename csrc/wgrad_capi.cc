@@ -59,6 +59,13 @@ int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int6
   return finish(bad.empty() ? pmg::wgrad_cpu(a) : bad, err, err_len);
 }
 
+// 1 when oneDNN's bf16 GEMM of these bf16 inputs cannot flush a subnormal (the check the CPU
+// core runs before it; benchmarks/bench_bf16_scan.py times it against the GEMM), else 0.
+int pmg_bf16_native_is_exact_c(const void* x, int64_t nx, const void* dy, int64_t ny) {
+  return pmg::bf16_native_is_exact(static_cast<const uint16_t*>(x), nx,
+                                   static_cast<const uint16_t*>(dy), ny) ? 1 : 0;
+}
+
 #ifdef PMG_WITH_CUDA
 int pmg_wgrad_cuda_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                      void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,

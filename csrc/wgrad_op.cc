@@ -15,6 +15,7 @@
 //
 // The Python wrapper validates first and raises FusedLinearError with the
 // offending shapes; the PD_CHECKs here guard direct callers of the raw op.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,14 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
     PD_CHECK(xs[i] == ys[i], "leading dims of x ", shape_str(xs), " and dout ", shape_str(ys),
              " differ");
   PD_CHECK(x.dtype() == dout.dtype(), "x and dout dtypes differ");
+  // Every tensor on x's place: the core gets raw pointers and must not read another device's.
+  const auto on_x_place = [&x](const paddle::Tensor& t, const char* what) {
+    PD_CHECK(t.place() == x.place(), what, " is on ", t.place().DebugString(), " but x is on ",
+             x.place().DebugString(), ": every input must be on x's place");
+  };
+  on_x_place(dout, "dout");
+  if (dweight) on_x_place(*dweight, "dweight");
+  if (has_bias && dbias) on_x_place(*dbias, "dbias");
   const int64_t M = leading(xs), K = xs.back(), N = ys.back();
   const pmg::DType in_t = to_pmg(x.dtype(), "x");
 
@@ -128,7 +137,12 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
     err = pmg::wgrad_cuda(a, reinterpret_cast<void*>(x.stream()), x.place().GetDeviceId());
 #endif
   } else {
-    PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: unsupported place");
+    PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: x is on ", x.place().DebugString(),
+             "; this op runs CPU tensors",
+#ifdef PMG_WITH_CUDA
+             " and GPU tensors",
+#endif
+             " (paddle_mgrad.ops.fused_linear_param_grad_add sends other places to Paddle)");
   }
   PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
   return {dw_out, db_out};
@@ -152,13 +166,14 @@ std::vector<paddle::DataType> FusedWgradInferDtype(
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }
 
-// A tiny op that reports what runs, as int32[4]:
+// A tiny op that reports what runs, as int32[5]:
 //   [0] CPU GEMM compiled in (1 = oneDNN, 0 = portable), [1] CUDA compiled in,
-//   [2] the CPU has native bf16 (avx512_bf16 / AMX, run-time cpuid),
+//   [2] native bf16: the CPU has avx512_bf16 / AMX (run-time cpuid) and oneDNN uses it,
 //   [3] bf16 inputs would run now as 1 = oneDNN bf16 GEMM, 0 = widen + fp32 GEMM,
-//       -1 = PADDLE_MGRAD_CPU_BF16 is invalid.
+//       -1 = PADDLE_MGRAD_CPU_BF16 is invalid,
+//   [4] bf16 calls so far that the oneDNN path widened for exactness (saturates at 2^31-1).
 std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
-  auto out = paddle::empty({4}, paddle::DataType::INT32, paddle::CPUPlace());
+  auto out = paddle::empty({5}, paddle::DataType::INT32, paddle::CPUPlace());
   int* p = out.data<int>();
   p[0] = std::string(pmg::cpu_gemm_backend()) == "onednn" ? 1 : 0;
 #ifdef PMG_WITH_CUDA
@@ -169,11 +184,12 @@ std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
   p[2] = pmg::cpu_has_native_bf16() ? 1 : 0;
   const std::string path = pmg::cpu_bf16_path();
   p[3] = path == "onednn-bf16" ? 1 : (path == "widen-sgemm" ? 0 : -1);
+  p[4] = static_cast<int>(std::min<uint64_t>(pmg::cpu_bf16_exact_fallbacks(), 0x7fffffff));
   return {out};
 }
 
 std::vector<std::vector<int64_t>> BackendInfoInferShape(const std::vector<int64_t>&) {
-  return {{4}};
+  return {{5}};
 }
 
 std::vector<paddle::DataType> BackendInfoInferDtype(const paddle::DataType&) {

@@ -7,11 +7,32 @@ Quick start::
     paddle_mgrad.enable(recompute=True, fused_linear=True)   # before building the model
 """
 from . import _compat  # noqa: F401  (imports zlib before paddle on 2.6)
-from . import stats
-from .errors import FlagError, FusedLinearError, RecomputeError
-from .switch import disable, enable, enabled
-from .recomputation import recompute
-from .linear import FusedLinearWithGradAdd, fused_linear
+from . import env as _env
+
+
+
+def _check_env():
+    """Every PADDLE_MGRAD* variable, validated once: a typo stops here with one message naming
+    the variable and the accepted values (EnvError) instead of being ignored deep inside a run.
+    Under the PADDLE_MGRAD start-up hook (activation pending) that is its one line, exit 2."""
+    import sys
+
+    try:
+        _env.check()
+    except _env.EnvError as e:
+        hook = sys.modules.get("paddle_mgrad_autoload")
+        if hook is not None and getattr(hook, "pending", False):
+            hook.fail(e)
+        raise
+
+
+_check_env()
+
+from . import stats  # noqa: E402
+from .errors import EnvError, FlagError, FusedLinearError, RecomputeError  # noqa: E402
+from .switch import disable, enable, enabled  # noqa: E402
+from .recomputation import recompute  # noqa: E402
+from .linear import FusedLinearWithGradAdd, fused_linear  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -33,5 +54,5 @@ _activate_if_pending()
 
 __all__ = [
     "__version__", "enable", "disable", "enabled", "recompute", "RecomputeError",
-    "FusedLinearError", "FlagError", "fused_linear", "FusedLinearWithGradAdd", "stats",
+    "FusedLinearError", "FlagError", "EnvError", "fused_linear", "FusedLinearWithGradAdd", "stats",
 ]

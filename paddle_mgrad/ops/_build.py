@@ -30,6 +30,7 @@ import sys
 import sysconfig
 
 from .._compat import paddle
+from ..env import get as env_get
 from . import build_config as bc
 
 log = logging.getLogger("paddle_mgrad")
@@ -56,7 +57,7 @@ def has_onednn() -> bool:
 
 def want_cuda() -> bool:
     """Paddle is built with CUDA and the user did not opt out (PADDLE_MGRAD_NO_CUDA=1)."""
-    return paddle.is_compiled_with_cuda() and os.environ.get("PADDLE_MGRAD_NO_CUDA", "0") == "0"
+    return paddle.is_compiled_with_cuda() and not env_get("PADDLE_MGRAD_NO_CUDA")
 
 
 def cuda_toolkit() -> bc.CudaToolkit:
@@ -79,7 +80,7 @@ def build_config(cuda=None):
     cuda = with_cuda() if cuda is None else cuda
     cflags = list(bc.CXX_FLAGS)
     ldflags = list(bc.LD_FLAGS)
-    if has_onednn() and os.environ.get("PADDLE_MGRAD_NO_ONEDNN", "0") == "0":
+    if has_onednn() and not env_get("PADDLE_MGRAD_NO_ONEDNN"):
         libs = paddle_libs_dir()
         cflags.append(bc.ONEDNN_DEFINE)
         ldflags += [f"-L{libs}", "-l:libdnnl.so.3", f"-Wl,-rpath,{libs}"]
@@ -115,7 +116,7 @@ def build_key(cuda=None) -> str:
 
 
 def cache_root() -> str:
-    return os.environ.get("PADDLE_MGRAD_CACHE") or os.path.join(
+    return env_get("PADDLE_MGRAD_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "paddle_mgrad")
 
 
