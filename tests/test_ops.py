@@ -212,11 +212,27 @@ BAD = [
      "dweight must be float32"),
     ("mixed dtypes", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]).astype("bfloat16"), None,
                               None, True, False), "same dtype"),
+    ("numpy x", lambda: (np.ones([3, 8], "float32"), paddle.randn([3, 5]), None, None, True,
+                         False), "x and dout must be paddle Tensors"),
+    ("numpy dweight", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]),
+                               np.zeros([8, 5], "float32"), None, True, False),
+     "dweight must be a paddle Tensor or None, got ndarray"),
+    ("1-D dweight", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([40]),
+                             None, True, False), "[8, 5]"),
+    ("bf16 dbias for fp16", lambda: (paddle.randn([3, 8]).astype("float16"),
+                                     paddle.randn([3, 5]).astype("float16"), None,
+                                     paddle.zeros([5]).astype("bfloat16"), False, True),
+     "dbias must be float16 or float32"),
+    ("multi_precision 'no'", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, None,
+                                      "no", False), "multi_precision must be a bool"),
+    ("has_bias None", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, None, True,
+                               None), "has_bias must be a bool"),
 ]
 
 
 @pytest.mark.parametrize("name,make,needle", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_raises_clear_error(name, make, needle):
+def test_bad_input_raises_clear_error(backend, name, make, needle):
+    """Bad input on both backends (C++ op, pure-Paddle): FusedLinearError naming the problem."""
     with pytest.raises(FusedLinearError) as e:
         ops.fused_linear_param_grad_add(*make())
     assert needle in str(e.value)
@@ -889,6 +905,9 @@ def test_strided_accumulators_are_written_through(backend, dtype, mp):
     w_store = _t(rs.standard_normal([K, 2 * N]), acc)
     wt_store = _t(rs.standard_normal([N, K]), acc)
     x2, y2 = _as64(x), _as64(dy)
+    x_store = _t(rs.standard_normal([M, 2 * K]), dtype)
+    xs = x_store[:, ::2]  # a strided input is read, and left the caller's view
+    x_ptr = xs.data_ptr()
     for dweight_of in (lambda: w_store[:, ::2], lambda: wt_store.transpose([1, 0])):
         b0, w0, wt0 = _as64(b_store), _as64(w_store), _as64(wt_store)
         dbias, dweight = b_store[::2], dweight_of()
@@ -910,6 +929,10 @@ def test_strided_accumulators_are_written_through(backend, dtype, mp):
         else:
             want = wt0 + (x2.T @ y2).T
             _check_close(wt_store, want, np.abs(want) + scale.T, acc)
+    mg = paddle.zeros([K, N], _mp(dtype))
+    ops.fused_linear_param_grad_add(xs, dy, mg, None, True, False)
+    _check_close(mg, _as64(xs).T @ y2, np.abs(_as64(xs)).T @ np.abs(y2), _mp(dtype))
+    assert not xs.is_contiguous() and xs.data_ptr() == x_ptr
 
 
 def test_fused_nn_linear_with_main_grads_viewing_a_flat_buffer(backend):
