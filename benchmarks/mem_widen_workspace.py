@@ -92,7 +92,8 @@ def main():
                 continue
             res = json.loads(line[0][6:])
             main_, second = res["main thread"], res.get("second thread", (0, 0))
-            print(f"| {shape} | {dtype} | {path} | {mp} | {ours(T, K, N, mp, path, dtype) / MiB:.1f}"
+            kept = ours(T, K, N, mp, path, dtype) / MiB
+            print(f"| {shape} | {dtype} | {path} | {mp} | {kept:.1f}"
                   f" | {main_[0] / MiB:.1f} | {main_[1] / MiB:.1f} | {second[0] / MiB:.1f} |")
 
 

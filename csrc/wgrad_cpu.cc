@@ -313,7 +313,8 @@ namespace {
 // (bf16 magnitudes order like their bit patterns); zeros wrap to 0xffff and drop out.
 inline uint16_t mag_min_generic(const uint16_t* p, int64_t n) {
   uint16_t m = 0xffff;
-  for (int64_t i = 0; i < n; ++i) m = std::min<uint16_t>(m, static_cast<uint16_t>((p[i] & 0x7fff) - 1));
+  for (int64_t i = 0; i < n; ++i)
+    m = std::min<uint16_t>(m, static_cast<uint16_t>((p[i] & 0x7fff) - 1));
   return m;
 }
 

@@ -229,7 +229,8 @@ def test_import_paddle_mgrad_raises_env_error(name, text):
 
 
 def test_valid_environment_imports_and_uses_the_values():
-    r = _run(textwrap.dedent(IMPORT) + "from paddle_mgrad import ops\nprint('BACKEND', ops.backend())\n",
+    code = textwrap.dedent(IMPORT) + "from paddle_mgrad import ops\nprint('BACKEND', ops.backend())\n"
+    r = _run(code,
              PADDLE_MGRAD_OPS=" Python ", PADDLE_MGRAD_BUILD_OPS="false",
              PADDLE_MGRAD_CPU_BF16="widen", PADDLE_MGRAD_NO_CUDA="yes")
     assert r.returncode == 0, r.stderr[-3000:]

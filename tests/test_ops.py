@@ -491,7 +491,8 @@ def test_bf16_path_is_observable_and_forceable():
     with _bf16_path("bogus"):
         assert ops.cpu_info()["bf16_path"] == "invalid PADDLE_MGRAD_CPU_BF16"
         x = paddle.ones([4, 3]).astype("bfloat16")
-        msg = "PADDLE_MGRAD_CPU_BF16='bogus' is not valid; accepted: auto (default), native or widen"
+        msg = ("PADDLE_MGRAD_CPU_BF16='bogus' is not valid; accepted: auto (default), native "
+               "or widen")
         with pytest.raises(EnvError) as e:
             ops.fused_linear_param_grad_add(x, x, None, None, True, False)
         assert str(e.value) == msg
@@ -708,7 +709,8 @@ def test_chunk_rows_near_2_63_does_not_kill_the_process(value):
 def test_bad_fp64_kernel_env_is_a_clear_error(value):
     """PADDLE_MGRAD_CPU_FP64_KERNEL=garbage was ignored silently; now EnvError (wrapper) and the
     same message from the C++ op, before anything is written."""
-    msg = f"PADDLE_MGRAD_CPU_FP64_KERNEL={value!r} is not valid; accepted: auto (default) or generic"
+    msg = (f"PADDLE_MGRAD_CPU_FP64_KERNEL={value!r} is not valid; accepted: auto (default) or "
+           "generic")
     x = paddle.ones([4, 3], "float64")
     mg = paddle.full([3, 3], 7.0, "float64")
     with _env("PADDLE_MGRAD_CPU_FP64_KERNEL", value):
@@ -765,7 +767,7 @@ def test_c_api_zero_size_null_pointers_and_float64(tmp_path):
     assert b"dweight is float64; it must be float32" in err.value
 
 
-# ---------------------------------------------------------------- bf16: native hardware vs exact (15)
+# ---------------------------------------------------------------- bf16: native hw vs exact (15)
 def _fallbacks():
     return ops.cpu_info()["bf16_exact_fallbacks"]
 

@@ -236,7 +236,8 @@ def _tier_for(x, dweight, dbias, multi_precision, has_bias, dout=None) -> str:
     if gpu == "paddle-fused":
         # Paddle's kernel computes M = x.numel() / K: K = 0 divides by zero (SIGFPE), and an
         # MoE expert that got no tokens (M = 0) is a zero-size GEMM; the reference is exact.
-        N = dout.shape[-1] if dout is not None else (dweight.shape[-1] if dweight is not None else 1)
+        N = dout.shape[-1] if dout is not None else (
+            dweight.shape[-1] if dweight is not None else 1)
         if 0 in list(x.shape) + [N]:
             return "python"
         # Paddle's op wants MPType accumulators with multi_precision, else the input dtype
