@@ -66,6 +66,10 @@ int pmg_bf16_native_is_exact_c(const void* x, int64_t nx, const void* dy, int64_
                                    static_cast<const uint16_t*>(dy), ny) ? 1 : 0;
 }
 
+int pmg_bf16_min_nonzero_bits_c(const void* p, int64_t n, int kernel) {
+  return pmg::bf16_min_nonzero_bits(static_cast<const uint16_t*>(p), n, kernel);
+}
+
 #ifdef PMG_WITH_CUDA
 int pmg_wgrad_cuda_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                      void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,

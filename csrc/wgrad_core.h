@@ -77,6 +77,11 @@ const char* cpu_bf16_path();
 // One memory-bound pass over both inputs.
 bool bf16_native_is_exact(const uint16_t* x, int64_t nx, const uint16_t* dy, int64_t ny);
 
+// Its pass, exposed for tests: the smallest nonzero |value| of n bf16 values as bits
+// (0x0001..0x7fff; 0x10000 when all are zeros) computed by `kernel` (2 = AVX-512BW,
+// 1 = AVX2, 0 = portable, -1 = the best this CPU has); -1 when this CPU lacks that kernel.
+int bf16_min_nonzero_bits(const uint16_t* p, int64_t n, int kernel);
+
 // Calls (process-wide, since load) that took the widen path for that reason.
 uint64_t cpu_bf16_exact_fallbacks();
 

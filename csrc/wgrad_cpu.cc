@@ -355,25 +355,26 @@ __attribute__((target("avx512f,avx512bw"))) uint16_t mag_min_avx512(const uint16
 }
 #endif
 
-uint16_t mag_min(const uint16_t* p, int64_t n) {
+// kernel: 2 = AVX-512BW, 1 = AVX2, 0 = portable, -1 = the best this CPU has.
+uint16_t mag_min(const uint16_t* p, int64_t n, int kernel) {
 #ifdef PMG_X86
-  if (isa().avx512_core) return mag_min_avx512(p, n);
-  if (isa().avx2) return mag_min_avx2(p, n);
+  if (kernel == 2 || (kernel < 0 && isa().avx512_core)) return mag_min_avx512(p, n);
+  if (kernel == 1 || (kernel < 0 && isa().avx2)) return mag_min_avx2(p, n);
 #endif
   return mag_min_generic(p, n);
 }
 
 // The same over threads (memory-bound: one pass over the inputs, 2 bytes a value).
-uint16_t mag_min_parallel(const uint16_t* p, int64_t n) {
+uint16_t mag_min_parallel(const uint16_t* p, int64_t n, int kernel = -1) {
   constexpr int64_t kSerial = int64_t(1) << 18;
-  if (n <= kSerial) return mag_min(p, n);
+  if (n <= kSerial) return mag_min(p, n, kernel);
   uint16_t m = 0xffff;
 #pragma omp parallel
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t per = ((n + nt - 1) / nt + 31) / 32 * 32;
     const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
-    const uint16_t mine = e > b ? mag_min(p + b, e - b) : uint16_t(0xffff);
+    const uint16_t mine = e > b ? mag_min(p + b, e - b, kernel) : uint16_t(0xffff);
 #pragma omp critical(pmg_mag_min)
     m = std::min(m, mine);
   }
@@ -381,6 +382,15 @@ uint16_t mag_min_parallel(const uint16_t* p, int64_t n) {
 }
 
 }  // namespace
+
+int bf16_min_nonzero_bits(const uint16_t* p, int64_t n, int kernel) {
+#ifdef PMG_X86
+  if ((kernel == 2 && !isa().avx512_core) || (kernel == 1 && !isa().avx2)) return -1;
+#else
+  if (kernel > 0) return -1;
+#endif
+  return static_cast<int>(mag_min_parallel(p, n, kernel)) + 1;
+}
 
 bool bf16_native_is_exact(const uint16_t* x, int64_t nx, const uint16_t* dy, int64_t ny) {
   // An input that is all (signed) zeros makes every product zero: nothing can be flushed.

@@ -843,6 +843,44 @@ def test_native_bf16_path_runs_its_gemm_on_every_safe_pattern():
         assert _same_values(dw.numpy().reshape(-1), v14) == (0, [])
 
 
+@pytest.mark.parametrize("kernel", [0, 1, 2], ids=["portable", "avx2", "avx512bw"])
+def test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude(kernel):
+    """The pass behind the check, each of its kernels (an AVX2-only CPU runs the AVX2 one, a CPU
+    without AVX2 the portable one) through the op library's C ABI: the smallest nonzero |bf16|
+    among random values with planted small ones at ragged positions (vector tails, thread splits
+    of > 2^18 values), signed zeros ignored, NaN/inf patterns ordered as their bits."""
+    import ctypes
+
+    from paddle_mgrad.ops import _build
+
+    lib = ctypes.CDLL(_build.library_path(ops.load()))
+    f = lib.pmg_bf16_min_nonzero_bits_c
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f.restype = ctypes.c_int
+    have = f(np.zeros(1, np.uint16).ctypes.data, 1, kernel) != -1
+    flags = set(CPU["isa"].split())
+    assert have == {0: True, 1: "avx2" in flags, 2: "avx512bw" in flags}[kernel], CPU["isa"]
+    if not have:  # refused, as it must be on this CPU (the kernels it has are tested)
+        return
+    rs = np.random.RandomState(kernel)
+
+    def want(a):
+        mags = a & 0x7FFF
+        nz = mags[mags != 0]
+        return int(nz.min()) if nz.size else 0x10000
+
+    for n in (1, 31, 32, 63, 64, 65, 1000, (1 << 18) + 1, (1 << 20) + 37):
+        a = (rs.randint(0x3F00, 0x4100, n) | (rs.randint(0, 2, n) << 15)).astype(np.uint16)
+        assert f(a.ctypes.data, n, kernel) == want(a), n
+        for pos in {0, n - 1, n // 2, max(0, n - 33)}:
+            for v in (0x0001, 0x8001, 0x0080, 0x7F80, 0xFFC0, 0x0000, 0x8000):
+                b = a.copy()
+                b[pos] = v
+                assert f(b.ctypes.data, n, kernel) == want(b), (n, pos, hex(v))
+    z = np.array([0x8000, 0x0000] * 300, np.uint16)
+    assert f(z.ctypes.data, z.size, kernel) == 0x10000  # all (signed) zeros
+
+
 # The bf16/fp16 tests of this file, run again with oneDNN capped at AVX2 (what an AVX2-only CPU
 # such as a Zen 3 runs): on a native-bf16 CPU the main run covers the hardware path, this one
 # the widen path under auto and oneDNN's reference kernel under native.
@@ -853,6 +891,7 @@ ISA_CAPPED_TESTS = [
     "test_every_half_bit_pattern_widens_and_rounds_exactly",
     "test_bf16_products_near_underflow_are_ieee_exact",
     "test_native_bf16_path_runs_its_gemm_on_every_safe_pattern",
+    "test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude",
     "test_portable_cpu_path_without_onednn",
 ]
 
