@@ -872,8 +872,13 @@ def test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude(kernel):
     for n in (1, 31, 32, 63, 64, 65, 1000, (1 << 18) + 1, (1 << 20) + 37):
         a = (rs.randint(0x3F00, 0x4100, n) | (rs.randint(0, 2, n) << 15)).astype(np.uint16)
         assert f(a.ctypes.data, n, kernel) == want(a), n
-        for pos in {0, n - 1, n // 2, max(0, n - 33)}:
-            for v in (0x0001, 0x8001, 0x0080, 0x7F80, 0xFFC0, 0x0000, 0x8000):
+        edges = {0, n - 1, n // 2, max(0, n - 33)}
+        for nt in range(1, 17):  # the ends of each thread's share (32-value aligned), any team
+            per = ((n + nt - 1) // nt + 31) // 32 * 32
+            edges |= {p for p in (per - 1, per) if p < n}
+        for pos in sorted(edges):
+            for v in ((0x0001, 0x8001, 0x0080, 0x7F80, 0xFFC0, 0x0000, 0x8000) if n < 1 << 18
+                      else (0x8001, 0x0080)):
                 b = a.copy()
                 b[pos] = v
                 assert f(b.ctypes.data, n, kernel) == want(b), (n, pos, hex(v))
