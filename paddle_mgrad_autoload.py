@@ -48,6 +48,14 @@ class _PaddleImportHook:
 pending = False
 
 
+def fail(error):
+    """A bad ``PADDLE_MGRAD*`` value: one line on stderr, exit code 2 (no traceback)."""
+    import sys
+
+    print(f"paddle_mgrad: error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def _activate():
     import sys
 
@@ -56,8 +64,14 @@ def _activate():
         global pending
         pending = True
         return
-    from paddle_mgrad.autoload import _activate_from_hook
-
+    try:
+        from paddle_mgrad.autoload import _activate_from_hook
+    except Exception as e:
+        # ``import paddle_mgrad`` validates every PADDLE_MGRAD* variable (paddle_mgrad.env)
+        errors = sys.modules.get("paddle_mgrad.errors")
+        if errors is not None and isinstance(e, errors.FlagError):
+            fail(e)
+        raise
     _activate_from_hook()
 
 

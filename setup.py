@@ -21,6 +21,28 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def env_get(name):
+    """``paddle_mgrad.env.get(name)``: the package's one parser of its environment variables
+    (``PADDLE_MGRAD_BUILD_OPS=false`` is False; a value it does not accept is an error naming
+    the accepted ones).  setup.py cannot import paddle_mgrad (its ``__init__`` imports paddle),
+    so env.py (standard library + errors.py only) is loaded by path, inside a stand-in package
+    that resolves its relative import."""
+    import importlib.util
+    import types
+
+    pkg_name = "_paddle_mgrad_setup_env"
+    if pkg_name not in sys.modules:
+        pkg = types.ModuleType(pkg_name)
+        pkg.__path__ = [os.path.join(HERE, "paddle_mgrad")]
+        sys.modules[pkg_name] = pkg
+        spec = importlib.util.spec_from_file_location(
+            pkg_name + ".env", os.path.join(HERE, "paddle_mgrad", "env.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[pkg_name + ".env"].get(name)
+
+
 PTH = "paddle_mgrad_autoload.pth"
 
 
@@ -38,7 +60,7 @@ class BuildPy(build_py):
         # A build/ tree left by an earlier ahead-of-time build must not leak its binaries into
         # a plain (JIT) install: only this run decides whether _prebuilt ships.
         shutil.rmtree(os.path.join(self.build_lib, "paddle_mgrad", "_prebuilt"), ignore_errors=True)
-        if os.environ.get("PADDLE_MGRAD_BUILD_OPS", "0") not in ("", "0"):
+        if env_get("PADDLE_MGRAD_BUILD_OPS"):
             import zlib  # noqa: F401  (before paddle, for Paddle 2.6)
 
             sys.path.insert(0, self.build_lib)

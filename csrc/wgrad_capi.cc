@@ -155,6 +155,17 @@ int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int6
   return finish(bad.empty() ? pmg::wgrad_cpu(a) : bad, err, err_len);
 }
 
+// 1 when oneDNN's bf16 GEMM of these bf16 inputs cannot flush a subnormal (the check the CPU
+// core runs before it; benchmarks/bench_bf16_scan.py times it against the GEMM), else 0.
+int pmg_bf16_native_is_exact_c(const void* x, int64_t nx, const void* dy, int64_t ny) {
+  return pmg::bf16_native_is_exact(static_cast<const uint16_t*>(x), nx,
+                                   static_cast<const uint16_t*>(dy), ny) ? 1 : 0;
+}
+
+int pmg_bf16_min_nonzero_bits_c(const void* p, int64_t n, int kernel) {
+  return pmg::bf16_min_nonzero_bits(static_cast<const uint16_t*>(p), n, kernel);
+}
+
 // 1 when this library carries the CUDA core.
 int pmg_has_cuda() {
 #ifdef PMG_WITH_CUDA

@@ -56,8 +56,8 @@ const char* cpu_gemm_backend();
 // What this CPU offers, detected at run time (cpuid + xgetbv), e.g.
 // "avx2 fma f16c" or "avx512f avx512_bf16 amx_bf16 ...".
 const char* cpu_isa();
-// True when the CPU has native bf16 dot products (avx512_bf16 or AMX-BF16)
-// usable by the OS.
+// True when the CPU has native bf16 dot products (avx512_bf16 or AMX-BF16) usable
+// by the OS AND oneDNN will use them (ONEDNN_MAX_CPU_ISA=AVX2 or lower says no).
 bool cpu_has_native_bf16();
 
 // How bf16 inputs are multiplied on the CPU, decided at run time on each call:
@@ -65,7 +65,31 @@ bool cpu_has_native_bf16();
 //   "widen-sgemm"  bf16 widened to fp32 in row chunks + fp32 GEMM (others).
 // PADDLE_MGRAD_CPU_BF16=native|widen forces one (auto: by the CPU).  Without
 // oneDNN the answer is always "widen-sgemm" (portable fp32 GEMM).
+// Either way the results are IEEE fp32 with gradual underflow: a call whose
+// inputs could make the native kernel flush a subnormal (bf16_native_is_exact)
+// is widened instead, and counted in cpu_bf16_exact_fallbacks().
 const char* cpu_bf16_path();
+
+// False when oneDNN's bf16 GEMM could flush a subnormal for these inputs (it
+// reads subnormal bf16 as zero and flushes subnormal fp32 results): a subnormal
+// in x [nx values] or dy [ny], or smallest nonzero magnitudes whose exponents
+// add up to less than -112 (a product or partial sum could fall below FLT_MIN).
+// One memory-bound pass over both inputs.
+bool bf16_native_is_exact(const uint16_t* x, int64_t nx, const uint16_t* dy, int64_t ny);
+
+// Its pass, exposed for tests: the smallest nonzero |value| of n bf16 values as bits
+// (0x0001..0x7fff; 0x10000 when all are zeros) computed by `kernel` (2 = AVX-512BW,
+// 1 = AVX2, 0 = portable, -1 = the best this CPU has); -1 when this CPU lacks that kernel.
+int bf16_min_nonzero_bits(const uint16_t* p, int64_t n, int kernel);
+
+// Calls (process-wide, since load) that took the widen path for that reason.
+uint64_t cpu_bf16_exact_fallbacks();
+
+// The environment knobs a CPU call with this input dtype reads (PADDLE_MGRAD_CPU_BF16,
+// PADDLE_MGRAD_CPU_CHUNK_ROWS, PADDLE_MGRAD_CPU_FP64_KERNEL; also declared and checked
+// at import by paddle_mgrad/env.py): "" or the message naming the variable and the
+// accepted values.  wgrad_cpu checks it before writing anything.
+std::string cpu_env_problem(DType in_dtype);
 
 // Returns an empty string on success, else a message naming what failed.
 std::string wgrad_cpu(const WgradArgs& a);

@@ -5,23 +5,38 @@
 // that ships with the Paddle wheel; otherwise a blocked OpenMP loop nest.
 //
 // bf16 inputs: decided at RUN time (cpu_bf16_path()): on CPUs with native bf16
-// dot products (avx512_bf16 / AMX) oneDNN's `dnnl_gemm_bf16bf16f32`; elsewhere
-// (e.g. AVX2-only CPUs, where that call falls to a ~0.5 GFLOP/s reference
-// kernel) the inputs are widened to fp32 in row chunks and multiplied by the
-// fp32 GEMM.  fp16 inputs (no f16 GEMM in oneDNN's C API) are always widened.
-// The chunk loop applies beta on the first chunk only; kWidenBudget bounds the
-// extra memory (a per-thread workspace reused between calls).  A bf16/fp16
-// weight gradient (multi_precision=False) is accumulated in fp32 and rounded
-// once, in a second kept scratch when its K*N floats fit the same budget.
+// dot products (avx512_bf16 / AMX, and oneDNN allowed to use them) oneDNN's
+// `dnnl_gemm_bf16bf16f32`; elsewhere (e.g. AVX2-only CPUs, where that call falls
+// to a ~0.5 GFLOP/s reference kernel) the inputs are widened to fp32 in row
+// chunks and multiplied by the fp32 GEMM.  fp16 inputs (no f16 GEMM in oneDNN's
+// C API) are always widened.  The chunk loop applies beta on the first chunk
+// only; kWidenBudget bounds the extra memory (a per-thread workspace reused
+// between calls).  A bf16/fp16 weight gradient (multi_precision=False) is
+// accumulated in fp32 and rounded once, in a second kept scratch when its K*N
+// floats fit the same budget.
+//
+// Exactness of the native path: the hardware bf16 dot products (VDPBF16PS; AMX)
+// treat subnormal inputs as zero and flush subnormal results to zero, whatever
+// MXCSR says.  Before each oneDNN bf16 GEMM one pass over x and dy finds their
+// smallest nonzero magnitudes (bf16_native_is_exact); when a subnormal could
+// appear anywhere -- a subnormal input, or two inputs whose product could land
+// below FLT_MIN -- the call takes the widen path instead, so both paths give
+// IEEE fp32 results with gradual underflow (measured cost of the pass:
+// benchmarks/bench_bf16_scan.py).
 //
 // fp64 inputs: our own packed, register-blocked OpenMP DGEMM (oneDNN has no
 // dgemm), whose micro-kernel is chosen at run time (AVX2+FMA or generic C++).
 #include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <string>
+
+#include <omp.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -32,7 +47,7 @@
 #include "wgrad_core.h"
 
 #ifdef PMG_WITH_ONEDNN
-// The wheel ships the library but not oneapi/dnnl/dnnl.h, so we declare the two
+// The wheel ships the library but not oneapi/dnnl/dnnl.h, so we declare the
 // entry points of oneDNN's stable C API ourselves (dnnl_status_t is an int-sized
 // enum, 0 == dnnl_success; dnnl_dim_t is int64_t; bf16 is 16 raw bits).
 extern "C" {
@@ -42,6 +57,7 @@ int dnnl_sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float 
 int dnnl_gemm_bf16bf16f32(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
                           const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                           float beta, float* C, int64_t ldc);
+int dnnl_get_effective_cpu_isa();  // dnnl_cpu_isa_t, a bit mask
 }
 #endif
 
@@ -55,6 +71,10 @@ namespace {
 // with 2048-4096 rows.  PADDLE_MGRAD_CPU_CHUNK_ROWS=n forces n rows (tests).
 constexpr int64_t kWidenBudget = int64_t(64) << 20;
 constexpr int64_t kMinChunkRows = 256;
+// The largest PADDLE_MGRAD_CPU_CHUNK_ROWS accepted (paddle_mgrad.env.MAX_CHUNK_ROWS):
+// 2^24 rows of even one column are 64 MiB of workspace; values near 2^63 overflowed
+// the chunk count to 0 (SIGFPE).
+constexpr int64_t kMaxChunkRows = int64_t(1) << 24;
 constexpr int64_t kKB = 16;          // portable GEMM: rows of C per tile
 constexpr int64_t kNB = 512;         // portable GEMM / bias: columns per tile
 }  // namespace
@@ -157,33 +177,233 @@ const Isa& isa() {
   return s;
 }
 
-enum class Bf16Path { kOnednn, kWiden, kBadEnv };
-
-Bf16Path bf16_path() {
-#ifndef PMG_WITH_ONEDNN
-  return Bf16Path::kWiden;
-#else
-  const char* env = std::getenv("PADDLE_MGRAD_CPU_BF16");
-  const std::string v = env ? env : "";
-  if (v == "native") return Bf16Path::kOnednn;
-  if (v == "widen") return Bf16Path::kWiden;
-  if (!v.empty() && v != "auto") return Bf16Path::kBadEnv;
-  return cpu_has_native_bf16() ? Bf16Path::kOnednn : Bf16Path::kWiden;
-#endif
+// ------------------------------------------------------------ environment
+// The knobs read here on every call (tests change them at run time) are also declared
+// and validated at import in paddle_mgrad/env.py, with the same accepted texts and the
+// same message: a value changed after import fails the call, never crashes or is ignored.
+std::string trim_lower(const char* s) {
+  std::string t(s);
+  const auto sp = [](unsigned char c) { return std::isspace(c) != 0; };
+  while (!t.empty() && sp(t.back())) t.pop_back();
+  size_t i = 0;
+  while (i < t.size() && sp(t[i])) ++i;
+  t.erase(0, i);
+  for (char& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return t;
 }
+
+std::string env_message(const char* name, const char* text, const char* accepted) {
+  return std::string(name) + "='" + text + "' is not valid; accepted: " + accepted;
+}
+
+// One of `values` (values[0] when unset or empty), else an error message.
+std::string env_choice(const char* name, std::initializer_list<const char*> values,
+                       const char* accepted, std::string* out) {
+  const char* env = std::getenv(name);
+  const std::string t = env ? trim_lower(env) : "";
+  *out = *values.begin();
+  if (t.empty()) return "";
+  for (const char* v : values)
+    if (t == v) {
+      *out = v;
+      return "";
+    }
+  return env_message(name, env, accepted);
+}
+
+// PADDLE_MGRAD_CPU_CHUNK_ROWS: 0 when unset or empty, else 1..kMaxChunkRows (digits only,
+// surrounding spaces allowed: paddle_mgrad.env._chunk_rows), else an error message.
+std::string env_chunk_rows(int64_t* rows) {
+  static const char* kName = "PADDLE_MGRAD_CPU_CHUNK_ROWS";
+  const char* env = std::getenv(kName);
+  *rows = 0;
+  const std::string t = env ? trim_lower(env) : "";
+  if (t.empty()) return "";
+  const std::string accepted = "an integer from 1 to " + std::to_string(kMaxChunkRows);
+  int64_t v = 0;
+  for (char c : t) {
+    if (c < '0' || c > '9') return env_message(kName, env, accepted.c_str());
+    v = v * 10 + (c - '0');
+    if (v > kMaxChunkRows) return env_message(kName, env, accepted.c_str());  // no overflow
+  }
+  if (v < 1) return env_message(kName, env, accepted.c_str());
+  *rows = v;
+  return "";
+}
+
+#ifdef PMG_WITH_ONEDNN
+// dnnl_cpu_isa_avx512_core_bf16 (0xe7): every oneDNN ISA at or above it (AMX included)
+// has its bits.  ONEDNN_MAX_CPU_ISA=AVX2 (or lower) takes them away.
+constexpr int kOnednnIsaBf16 = 0xe7;
+
+bool onednn_may_use_bf16() {
+  static const bool ok = (dnnl_get_effective_cpu_isa() & kOnednnIsaBf16) == kOnednnIsaBf16;
+  return ok;
+}
+#endif
+
+enum class Bf16Path { kOnednn, kWiden };
+
+// How bf16 inputs run now, or an error message for a bad PADDLE_MGRAD_CPU_BF16.
+std::string bf16_path(Bf16Path* path) {
+  std::string v;
+  std::string err = env_choice("PADDLE_MGRAD_CPU_BF16", {"auto", "native", "widen"},
+                               "auto (default), native or widen", &v);
+  if (!err.empty()) return err;
+#ifndef PMG_WITH_ONEDNN
+  *path = Bf16Path::kWiden;
+#else
+  if (v == "native")
+    *path = Bf16Path::kOnednn;
+  else if (v == "widen")
+    *path = Bf16Path::kWiden;
+  else
+    *path = cpu_has_native_bf16() ? Bf16Path::kOnednn : Bf16Path::kWiden;
+#endif
+  return "";
+}
+
+// bf16 calls that took the oneDNN path's exactness fallback (bf16_native_is_exact).
+std::atomic<uint64_t> g_bf16_exact_fallbacks{0};
 
 }  // namespace
 
 const char* cpu_isa() { return isa().text.c_str(); }
-bool cpu_has_native_bf16() { return isa().avx512_bf16 || isa().amx_bf16; }
+// The CPU has the instructions AND oneDNN will use them (ONEDNN_MAX_CPU_ISA may cap it):
+// otherwise oneDNN's bf16 GEMM is a slow reference kernel, and widening is faster.
+bool cpu_has_native_bf16() {
+  return (isa().avx512_bf16 || isa().amx_bf16) &&
+#ifdef PMG_WITH_ONEDNN
+         onednn_may_use_bf16();
+#else
+         true;
+#endif
+}
 
 const char* cpu_bf16_path() {
-  switch (bf16_path()) {
-    case Bf16Path::kOnednn: return "onednn-bf16";
-    case Bf16Path::kWiden: return "widen-sgemm";
-    case Bf16Path::kBadEnv: break;
+  Bf16Path path;
+  if (!bf16_path(&path).empty()) return "invalid PADDLE_MGRAD_CPU_BF16";
+  return path == Bf16Path::kOnednn ? "onednn-bf16" : "widen-sgemm";
+}
+
+uint64_t cpu_bf16_exact_fallbacks() { return g_bf16_exact_fallbacks.load(); }
+
+std::string cpu_env_problem(DType in_dtype) {
+  std::string err;
+  if (in_dtype == DType::kBF16) {
+    Bf16Path path;
+    err = bf16_path(&path);
   }
-  return "invalid PADDLE_MGRAD_CPU_BF16";
+  if (err.empty() && (in_dtype == DType::kBF16 || in_dtype == DType::kF16)) {
+    int64_t rows;
+    err = env_chunk_rows(&rows);
+  }
+  if (err.empty() && in_dtype == DType::kF64) {
+    std::string v;
+    err = env_choice("PADDLE_MGRAD_CPU_FP64_KERNEL", {"auto", "generic"},
+                     "auto (default) or generic", &v);
+  }
+  return err;
+}
+
+// ------------------------------------------------------------ bf16 exactness scan
+namespace {
+
+// min over i of ((p[i] & 0x7fff) - 1) as uint16: the smallest nonzero magnitude minus one
+// (bf16 magnitudes order like their bit patterns); zeros wrap to 0xffff and drop out.
+inline uint16_t mag_min_generic(const uint16_t* p, int64_t n) {
+  uint16_t m = 0xffff;
+  for (int64_t i = 0; i < n; ++i)
+    m = std::min<uint16_t>(m, static_cast<uint16_t>((p[i] & 0x7fff) - 1));
+  return m;
+}
+
+#ifdef PMG_X86
+__attribute__((target("avx2"))) uint16_t mag_min_avx2(const uint16_t* p, int64_t n) {
+  const __m256i mask = _mm256_set1_epi16(0x7fff), one = _mm256_set1_epi16(1);
+  __m256i m0 = _mm256_set1_epi16(-1), m1 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 16));
+    m0 = _mm256_min_epu16(m0, _mm256_sub_epi16(_mm256_and_si256(a, mask), one));
+    m1 = _mm256_min_epu16(m1, _mm256_sub_epi16(_mm256_and_si256(b, mask), one));
+  }
+  alignas(32) uint16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_min_epu16(m0, m1));
+  uint16_t m = mag_min_generic(p + i, n - i);
+  for (uint16_t v : lanes) m = std::min(m, v);
+  return m;
+}
+
+__attribute__((target("avx512f,avx512bw"))) uint16_t mag_min_avx512(const uint16_t* p,
+                                                                     int64_t n) {
+  const __m512i mask = _mm512_set1_epi16(0x7fff), one = _mm512_set1_epi16(1);
+  __m512i m0 = _mm512_set1_epi16(-1), m1 = m0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i a = _mm512_loadu_si512(p + i);
+    const __m512i b = _mm512_loadu_si512(p + i + 32);
+    m0 = _mm512_min_epu16(m0, _mm512_sub_epi16(_mm512_and_si512(a, mask), one));
+    m1 = _mm512_min_epu16(m1, _mm512_sub_epi16(_mm512_and_si512(b, mask), one));
+  }
+  alignas(64) uint16_t lanes[32];
+  _mm512_store_si512(lanes, _mm512_min_epu16(m0, m1));
+  uint16_t m = mag_min_generic(p + i, n - i);
+  for (uint16_t v : lanes) m = std::min(m, v);
+  return m;
+}
+#endif
+
+// kernel: 2 = AVX-512BW, 1 = AVX2, 0 = portable, -1 = the best this CPU has.
+uint16_t mag_min(const uint16_t* p, int64_t n, int kernel) {
+#ifdef PMG_X86
+  if (kernel == 2 || (kernel < 0 && isa().avx512_core)) return mag_min_avx512(p, n);
+  if (kernel == 1 || (kernel < 0 && isa().avx2)) return mag_min_avx2(p, n);
+#endif
+  return mag_min_generic(p, n);
+}
+
+// The same over threads (memory-bound: one pass over the inputs, 2 bytes a value).
+uint16_t mag_min_parallel(const uint16_t* p, int64_t n, int kernel = -1) {
+  constexpr int64_t kSerial = int64_t(1) << 18;
+  if (n <= kSerial) return mag_min(p, n, kernel);
+  uint16_t m = 0xffff;
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = ((n + nt - 1) / nt + 31) / 32 * 32;
+    const int64_t b = std::min(n, t * per), e = std::min(n, b + per);
+    const uint16_t mine = e > b ? mag_min(p + b, e - b, kernel) : uint16_t(0xffff);
+#pragma omp critical(pmg_mag_min)
+    m = std::min(m, mine);
+  }
+  return m;
+}
+
+}  // namespace
+
+int bf16_min_nonzero_bits(const uint16_t* p, int64_t n, int kernel) {
+#ifdef PMG_X86
+  if ((kernel == 2 && !isa().avx512_core) || (kernel == 1 && !isa().avx2)) return -1;
+#else
+  if (kernel > 0) return -1;
+#endif
+  return static_cast<int>(mag_min_parallel(p, n, kernel)) + 1;
+}
+
+bool bf16_native_is_exact(const uint16_t* x, int64_t nx, const uint16_t* dy, int64_t ny) {
+  // An input that is all (signed) zeros makes every product zero: nothing can be flushed.
+  const uint16_t mx = mag_min_parallel(x, nx);
+  if (mx == 0xffff) return true;
+  const uint16_t my = mag_min_parallel(dy, ny);
+  if (my == 0xffff) return true;
+  // Biased exponents of the smallest nonzero magnitudes (0: subnormal).  bf16 values with
+  // exponents ex, ey have products that are multiples of 2^(ex + ey - 254 - 14), so every
+  // nonzero product and partial sum of the GEMM is at least 2^(ex + ey - 268) in magnitude,
+  // a normal fp32 number (>= 2^-126) when ex + ey >= 142: then no flush can change anything.
+  const int ex = (mx + 1) >> 7, ey = (my + 1) >> 7;
+  return ex > 0 && ey > 0 && ex + ey >= 142;
 }
 
 // ------------------------------------------------------------ conversions
@@ -351,20 +571,14 @@ void sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K, in
   portable_sgemm_tn(A, B, C, M, K, N, beta);
 }
 
-// Rows per widening chunk for C[K, N] (see kWidenBudget), or an error for a bad
-// PADDLE_MGRAD_CPU_CHUNK_ROWS.
-std::string widen_chunk_rows(int64_t K, int64_t N, int64_t* rows) {
-  const char* env = std::getenv("PADDLE_MGRAD_CPU_CHUNK_ROWS");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long long v = std::strtoll(env, &end, 10);
-    if (end == env || *end != '\0' || v <= 0)
-      return std::string("PADDLE_MGRAD_CPU_CHUNK_ROWS must be a positive integer, got '") +
-             env + "'";
-    *rows = v;
-    return "";
-  }
-  *rows = std::max(kMinChunkRows, kWidenBudget / ((K + N) * 4));
+// Rows per widening chunk of an M-row product into C[K, N] (see kWidenBudget), or an
+// error for a bad PADDLE_MGRAD_CPU_CHUNK_ROWS.  Never more rows than M: the workspace
+// is at most the widened inputs, and the chunk count below cannot overflow.
+std::string widen_chunk_rows(int64_t M, int64_t K, int64_t N, int64_t* rows) {
+  std::string err = env_chunk_rows(rows);
+  if (!err.empty()) return err;
+  if (*rows == 0) *rows = std::max(kMinChunkRows, kWidenBudget / ((K + N) * 4));
+  *rows = std::max<int64_t>(1, std::min(*rows, M));
   return "";
 }
 
@@ -403,20 +617,24 @@ std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
     return "";
   }
   if (a.in_dtype == DType::kBF16) {
-    const Bf16Path path = bf16_path();
-    if (path == Bf16Path::kBadEnv)
-      return std::string("PADDLE_MGRAD_CPU_BF16 must be auto, native or widen, got '") +
-             std::getenv("PADDLE_MGRAD_CPU_BF16") + "'";
+    Bf16Path path;
+    std::string err = bf16_path(&path);
+    if (!err.empty()) return err;
 #ifdef PMG_WITH_ONEDNN
-    if (path == Bf16Path::kOnednn &&
-        dnnl_gemm_bf16bf16f32('T', 'N', K, N, M, 1.f, static_cast<const uint16_t*>(a.x), K,
-                              static_cast<const uint16_t*>(a.dy), N, beta, C, N) == 0)
-      return "";
+    if (path == Bf16Path::kOnednn) {
+      const auto* x = static_cast<const uint16_t*>(a.x);
+      const auto* dy = static_cast<const uint16_t*>(a.dy);
+      if (!bf16_native_is_exact(x, M * K, dy, M * N)) {
+        g_bf16_exact_fallbacks.fetch_add(1, std::memory_order_relaxed);  // widen below
+      } else if (dnnl_gemm_bf16bf16f32('T', 'N', K, N, M, 1.f, x, K, dy, N, beta, C, N) == 0) {
+        return "";
+      }
+    }
 #endif
   }
   // Widen row chunks to fp32; the first chunk applies beta, later ones accumulate.
   int64_t rows = 0;
-  std::string err = widen_chunk_rows(K, N, &rows);
+  std::string err = widen_chunk_rows(M, K, N, &rows);
   if (!err.empty()) return err;
   // Equal chunks (4096 rows at a 3072-row budget: 2 x 2048, not 3072 + 1024).
   const int64_t chunks = (M + rows - 1) / rows;
@@ -505,13 +723,16 @@ __attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a,
 
 // By the CPU at run time; PADDLE_MGRAD_CPU_FP64_KERNEL=generic forces the portable
 // kernel (what CPUs without AVX2+FMA run), so tests on any machine cover both.
-MicroKernel pick_dgemm_kernel() {
-  const char* env = std::getenv("PADDLE_MGRAD_CPU_FP64_KERNEL");
-  if (env != nullptr && std::strcmp(env, "generic") == 0) return micro_generic;
+std::string pick_dgemm_kernel(MicroKernel* micro) {
+  std::string v;
+  std::string err = env_choice("PADDLE_MGRAD_CPU_FP64_KERNEL", {"auto", "generic"},
+                               "auto (default) or generic", &v);
+  if (!err.empty()) return err;
+  *micro = micro_generic;
 #ifdef PMG_X86
-  if (isa().avx2 && isa().fma) return micro_avx2;
+  if (v == "auto" && isa().avx2 && isa().fma) *micro = micro_avx2;
 #endif
-  return micro_generic;
+  return "";
 }
 
 struct AlignedBuf {  // 64-byte aligned scratch (the AVX2 kernel uses aligned loads)
@@ -539,8 +760,10 @@ inline void pack_strip(const double* src, int64_t ld, int64_t kc, int64_t cols, 
 // Requires M, K, N > 0.
 std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K,
                      int64_t N, float beta) {
+  MicroKernel micro = nullptr;
+  std::string err = pick_dgemm_kernel(&micro);
+  if (!err.empty()) return err;
   scale_or_zero(C, K * N, beta);
-  const MicroKernel micro = pick_dgemm_kernel();
   const int64_t nc_max = std::min(N, kDNc), kc_max = std::min(M, kDc);
   const int64_t strips_max = (nc_max + kNr - 1) / kNr;
   AlignedBuf bp(static_cast<size_t>(strips_max * kNr * kc_max));
@@ -650,6 +873,9 @@ std::string wgrad_f64(const WgradArgs& a) {
 }  // namespace
 
 std::string wgrad_cpu(const WgradArgs& a) {
+  // Environment first: a bad knob (changed after import) fails before anything is written.
+  std::string bad = cpu_env_problem(a.in_dtype);
+  if (!bad.empty()) return bad;
   if (a.in_dtype == DType::kF64) return wgrad_f64(a);  // accumulators are fp64 (check_args)
   if (a.dw != nullptr && a.K > 0 && a.N > 0) {
     if (a.dw_dtype == DType::kF32) {

@@ -19,6 +19,7 @@
 // pmg::gpu_flow (wgrad_gpu_flow.h) on PaddleGpuHost: Paddle's device guard
 // first, then Paddle's stream and the outputs, then the CUDA core with the
 // device and stream given explicitly and scratch from Paddle's allocator.
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -273,7 +274,12 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
     db_out = host.db_out;
 #endif
   } else {
-    PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: unsupported place");
+    PD_CHECK(false, "paddle_mgrad fused_linear_param_grad_add: x is on ", x.place().DebugString(),
+             "; this op runs CPU tensors",
+#ifdef PMG_WITH_CUDA
+             " and GPU tensors",
+#endif
+             " (paddle_mgrad.ops.fused_linear_param_grad_add sends other places to Paddle)");
   }
   PD_CHECK(err.empty(), "paddle_mgrad fused_linear_param_grad_add: ", err);
   return {dw_out, db_out};
@@ -297,13 +303,14 @@ std::vector<paddle::DataType> FusedWgradInferDtype(
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }
 
-// A tiny op that reports what runs, as int32[4]:
+// A tiny op that reports what runs, as int32[5]:
 //   [0] CPU GEMM compiled in (1 = oneDNN, 0 = portable), [1] CUDA compiled in,
-//   [2] the CPU has native bf16 (avx512_bf16 / AMX, run-time cpuid),
+//   [2] native bf16: the CPU has avx512_bf16 / AMX (run-time cpuid) and oneDNN uses it,
 //   [3] bf16 inputs would run now as 1 = oneDNN bf16 GEMM, 0 = widen + fp32 GEMM,
-//       -1 = PADDLE_MGRAD_CPU_BF16 is invalid.
+//       -1 = PADDLE_MGRAD_CPU_BF16 is invalid,
+//   [4] bf16 calls so far that the oneDNN path widened for exactness (saturates at 2^31-1).
 std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
-  auto out = paddle::empty({4}, paddle::DataType::INT32, paddle::CPUPlace());
+  auto out = paddle::empty({5}, paddle::DataType::INT32, paddle::CPUPlace());
   int* p = out.data<int>();
   p[0] = std::string(pmg::cpu_gemm_backend()) == "onednn" ? 1 : 0;
 #ifdef PMG_WITH_CUDA
@@ -314,11 +321,12 @@ std::vector<paddle::Tensor> BackendInfo(const paddle::Tensor& any) {
   p[2] = pmg::cpu_has_native_bf16() ? 1 : 0;
   const std::string path = pmg::cpu_bf16_path();
   p[3] = path == "onednn-bf16" ? 1 : (path == "widen-sgemm" ? 0 : -1);
+  p[4] = static_cast<int>(std::min<uint64_t>(pmg::cpu_bf16_exact_fallbacks(), 0x7fffffff));
   return {out};
 }
 
 std::vector<std::vector<int64_t>> BackendInfoInferShape(const std::vector<int64_t>&) {
-  return {{4}};
+  return {{5}};
 }
 
 std::vector<paddle::DataType> BackendInfoInferDtype(const paddle::DataType&) {

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from . import stats
+from . import env, stats
 from .errors import FlagError
 from .switch import enable, enabled, parse_activation
 
@@ -68,8 +68,10 @@ def activate(value=None, log=True) -> dict:
 
     Raises :class:`~paddle_mgrad.FlagError` for a bad value.
     """
-    value = os.environ.get(ENV) if value is None else value
-    want = parse_activation(value)
+    if value is None:
+        value, want = env.raw(ENV), env.get(ENV)  # EnvError (a FlagError) for a bad value
+    else:
+        want = parse_activation(value)
     if not any(want.values()):
         return dict(want, op_backend=None)
     enable(recompute=want["recompute"], fused_linear=want["fused_linear"])
@@ -130,6 +132,6 @@ def _activate_from_hook():
     """Called by ``paddle_mgrad_autoload`` right after Paddle is imported."""
     try:
         activate()
-    except FlagError as e:
+    except FlagError as e:  # EnvError too
         print(f"paddle_mgrad: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -57,9 +57,11 @@ def _choice(*values: str) -> Callable[[str], str]:
 MAX_CHUNK_ROWS = 1 << 24
 
 
-def _chunk_rows(text: str) -> int:
+def _chunk_rows(text: str) -> Optional[int]:
     t = text.strip()
-    if not t.isdigit():  # no sign, no spaces inside, no exponent
+    if t == "":
+        return None  # empty: the default (what the C++ op does with it too)
+    if not (t.isascii() and t.isdigit()):  # no sign, no spaces inside, no exponent
         raise ValueError
     v = int(t)
     if not 1 <= v <= MAX_CHUNK_ROWS:

@@ -13,33 +13,41 @@ Tiers, per place:
 
 * CPU tensors: our C++ op (``cpp-onednn`` / ``cpp-portable``), else the pure-Paddle fallback.
 * GPU tensors: our CUDA op (cuBLASLt) when it was built (``+cuda``); else Paddle's own
-  ``_C_ops.fused_linear_param_grad_add`` when the wheel has its GPU kernel (``paddle-fused``);
-  else the pure-Paddle fallback.  A missing CUDA toolkit part costs only the CUDA part: the CPU
-  op still loads, and one warning names what is missing and how to install it.
+  ``_C_ops.fused_linear_param_grad_add`` when the wheel has its GPU kernel (``paddle-fused``;
+  zero-size calls, which its kernel divides by, go to the fallback); else the pure-Paddle
+  fallback.  A missing CUDA toolkit part costs only the CUDA part: the CPU op still loads, and
+  one warning names what is missing and how to install it.
+* Any other place (XPU, custom devices, CUDA-pinned memory): the pure-Paddle fallback.
+
+Every input is checked before anything is written (:mod:`._inputs`: types, the
+``multi_precision``/``has_bias`` flags, shapes, dtypes, and that every tensor is on ``x``'s
+place).  A non-contiguous ``dweight``/``dbias`` (a strided view into a flat gradient buffer) is
+written through: the op runs on a contiguous copy that is then copied back into the view.
 
 :func:`backend` returns e.g. ``cpp-onednn+cuda``, ``cpp-onednn;gpu=paddle-fused`` (CUDA Paddle
 without our CUDA build) or ``cpp-onednn`` (CPU Paddle); :func:`backends` the same as a dict and
 :func:`describe` one log line.
 
-Environment: ``PADDLE_MGRAD_OPS=python`` forces the fallback; ``PADDLE_MGRAD_NO_CUDA=1`` skips our
-CUDA part; ``PADDLE_MGRAD_CACHE`` moves the JIT build cache; ``CUDA_HOME`` picks the toolkit;
-``PADDLE_MGRAD_CPU_BF16=native|widen`` forces how bf16 inputs run on the CPU (default ``auto``:
-oneDNN's bf16 GEMM on CPUs with native bf16, else widen to fp32 in row chunks + fp32 GEMM; see
-:func:`cpu_info`).
+Environment (declared and validated in :mod:`paddle_mgrad.env`): ``PADDLE_MGRAD_OPS=python``
+forces the fallback; ``PADDLE_MGRAD_NO_CUDA=1`` skips our CUDA part; ``PADDLE_MGRAD_CACHE`` moves
+the JIT build cache; ``CUDA_HOME`` picks the toolkit; ``PADDLE_MGRAD_CPU_BF16=native|widen``
+forces how bf16 inputs run on the CPU (default ``auto``: oneDNN's bf16 GEMM on CPUs with native
+bf16, else widen to fp32 in row chunks + fp32 GEMM; see :func:`cpu_info`).  The C++ op reads the
+``PADDLE_MGRAD_CPU_*`` knobs on every call; a value changed after import to one they do not
+accept fails the call with :class:`~paddle_mgrad.env.EnvError` (the C++ op checks again).
 """
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 
 from .._compat import paddle
-from ..errors import FusedLinearError
-from . import _reference
+from ..env import get as env_get
+from . import _inputs, _reference
+from ._inputs import SUPPORTED as _SUPPORTED, acc_dtypes, mp_dtype  # noqa: F401 (linear.py)
 
 __all__ = ["fused_linear_param_grad_add", "backend", "backends", "describe", "cpu_info", "load"]
 
-_SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 _lock = threading.Lock()
 _state = {"module": None, "backend": None, "why": None, "cpu": None, "gpu": None,
           "cuda_why": None}
@@ -48,8 +56,7 @@ _GEMM_NAMES = {"cpp-onednn": "C++ op, oneDNN GEMM", "cpp-portable": "C++ op, Ope
                "paddle-fused": "Paddle's _C_ops.fused_linear_param_grad_add"}
 
 
-def _dtype_name(dt) -> str:
-    return str(dt).replace("paddle.", "")
+_dtype_name = _inputs.dtype_name
 
 
 def _paddle_has_gpu_fused_op() -> bool:
@@ -83,7 +90,7 @@ def load():
         if _state["backend"] is not None:
             return _state["module"]
         cuda_paddle = paddle.is_compiled_with_cuda()
-        if os.environ.get("PADDLE_MGRAD_OPS", "").lower() == "python":
+        if env_get("PADDLE_MGRAD_OPS") == "python":
             gpu = "python" if cuda_paddle else None
             _state.update(cpu="python", gpu=gpu, backend=_compose("python", gpu),
                           why="PADDLE_MGRAD_OPS=python")
@@ -137,12 +144,17 @@ _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_
 def cpu_info() -> dict:
     """What the CPU path does with bf16 inputs, decided at run time by the C++ op.
 
-    ``{"isa": "avx2 fma f16c", "native_bf16": False, "bf16_path": "widen-sgemm"}``:
-    ``isa`` lists the relevant flags of ``/proc/cpuinfo``; ``native_bf16`` is the op's
-    cpuid check (avx512_bf16 or AMX-BF16 usable); ``bf16_path`` is how a bf16 call runs
-    now: ``"onednn-bf16"`` (oneDNN's bf16 GEMM), ``"widen-sgemm"`` (widen in row chunks
-    + fp32 GEMM), or ``"python"`` (fallback).  ``PADDLE_MGRAD_CPU_BF16=native|widen``
-    forces a path (read on every call).
+    ``{"isa": "avx2 fma f16c", "native_bf16": False, "bf16_path": "widen-sgemm",
+    "bf16_exact_fallbacks": 0}``: ``isa`` lists the relevant flags of ``/proc/cpuinfo``;
+    ``native_bf16`` is the op's check that the CPU has avx512_bf16 or AMX-BF16 (cpuid, usable
+    by the OS) AND that oneDNN uses them (``ONEDNN_MAX_CPU_ISA=AVX2`` says no: then oneDNN's
+    bf16 GEMM is its slow reference kernel); ``bf16_path`` is how a bf16 call runs now:
+    ``"onednn-bf16"`` (oneDNN's bf16 GEMM), ``"widen-sgemm"`` (widen in row chunks + fp32
+    GEMM), or ``"python"`` (fallback).  ``PADDLE_MGRAD_CPU_BF16=native|widen`` forces a path
+    (read on every call).  ``bf16_exact_fallbacks`` counts the bf16 calls (this process) that
+    the oneDNN path sent to the widen path because native bf16 hardware would have flushed a
+    subnormal (a subnormal input, or inputs small enough that a product could underflow):
+    both paths give IEEE fp32 results with gradual underflow.
     """
     flags = set()
     try:
@@ -156,10 +168,11 @@ def cpu_info() -> dict:
     isa = " ".join(f for f in _ISA_FLAGS if f in flags) or "unknown"
     module = load()
     if module is None:
-        return {"isa": isa, "native_bf16": None, "bf16_path": "python"}
+        return {"isa": isa, "native_bf16": None, "bf16_path": "python", "bf16_exact_fallbacks": 0}
     info = module.pmg_backend_info(paddle.zeros([1])).numpy()
     path = {1: "onednn-bf16", 0: "widen-sgemm"}.get(int(info[3]), "invalid PADDLE_MGRAD_CPU_BF16")
-    return {"isa": isa, "native_bf16": bool(info[2]), "bf16_path": path}
+    return {"isa": isa, "native_bf16": bool(info[2]), "bf16_path": path,
+            "bf16_exact_fallbacks": int(info[4])}
 
 
 def backends() -> dict:
@@ -172,20 +185,6 @@ def fallback_reason():
     """Why the CPU op is the pure-Paddle fallback (None when the C++ op loaded)."""
     load()
     return _state["why"]
-
-
-def mp_dtype(dtype) -> str:
-    """Paddle's MPTypeTrait: the multi-precision accumulator of an input dtype
-    (float64 for float64, float32 for everything else we support)."""
-    return "float64" if _dtype_name(dtype) == "float64" else "float32"
-
-
-def acc_dtypes(dtype, multi_precision) -> set:
-    """THE accumulator rule (the C++ core's ``pmg::acc_dtype_ok`` is the other half):
-    with multi_precision the accumulator is ``mp_dtype(dtype)``; without it, that or
-    the input dtype itself."""
-    mp = mp_dtype(dtype)
-    return {mp} if multi_precision else {mp, _dtype_name(dtype)}
 
 
 def cuda_fallback_reason():
@@ -215,15 +214,32 @@ def _is_gpu(t) -> bool:
         return False
 
 
-def _tier_for(x, dweight, dbias, multi_precision, has_bias) -> str:
-    """``'cpp'`` (our module, CPU or CUDA), ``'paddle-fused'`` or ``'python'`` for this call."""
+def _is_cpu(t) -> bool:
+    try:
+        return bool(t.place.is_cpu_place())
+    except AttributeError:
+        return False
+
+
+def _tier_for(x, dweight, dbias, multi_precision, has_bias, dout=None) -> str:
+    """``'cpp'`` (our module, CPU or CUDA), ``'paddle-fused'`` or ``'python'`` for this call.
+
+    Our C++ op takes CPU tensors, and GPU tensors when its CUDA part is built; other places
+    (XPU, custom devices, CUDA-pinned memory) go to the pure-Paddle reference, which runs
+    wherever Paddle's own ops do."""
     module = load()
     if not _is_gpu(x):
-        return "cpp" if module is not None else "python"
+        return "cpp" if module is not None and _is_cpu(x) else "python"
     gpu = _state["gpu"]
     if gpu == "cuda":
         return "cpp"
     if gpu == "paddle-fused":
+        # Paddle's kernel computes M = x.numel() / K: K = 0 divides by zero (SIGFPE), and an
+        # MoE expert that got no tokens (M = 0) is a zero-size GEMM; the reference is exact.
+        N = dout.shape[-1] if dout is not None else (
+            dweight.shape[-1] if dweight is not None else 1)
+        if 0 in list(x.shape) + [N]:
+            return "python"
         # Paddle's op wants MPType accumulators with multi_precision, else the input dtype
         # (ours also accepts fp32 without multi_precision: that case goes to the fallback)
         want = mp_dtype(x.dtype) if multi_precision else _dtype_name(x.dtype)
@@ -252,47 +268,24 @@ def _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias):
     return dw, (dbias if dbias is not None else db)
 
 
-def _check(x, dout, dweight, dbias, multi_precision, has_bias):
-    def bad(msg):
-        raise FusedLinearError(
-            f"fused_linear_param_grad_add: {msg} (x {list(x.shape)} {_dtype_name(x.dtype)}, "
-            f"dout {list(dout.shape)} {_dtype_name(dout.dtype)}"
-            + (f", dweight {list(dweight.shape)} {_dtype_name(dweight.dtype)}" if dweight is not None else "")
-            + (f", dbias {list(dbias.shape)} {_dtype_name(dbias.dtype)}" if dbias is not None else "")
-            + ")")
-
-    if not isinstance(x, paddle.Tensor) or not isinstance(dout, paddle.Tensor):
-        raise FusedLinearError("fused_linear_param_grad_add: x and dout must be paddle Tensors")
-    if len(x.shape) < 2:
-        bad(f"x must be at least 2-D [..., K], got {len(x.shape)}-D")
-    if len(dout.shape) != len(x.shape) or list(x.shape[:-1]) != list(dout.shape[:-1]):
-        bad("x [..., K] and dout [..., N] must have the same leading dims")
-    if _dtype_name(x.dtype) not in _SUPPORTED:
-        bad(f"unsupported dtype {_dtype_name(x.dtype)}; supported: {', '.join(_SUPPORTED)}")
-    if x.dtype != dout.dtype:
-        bad("x and dout must have the same dtype")
-    K, N = x.shape[-1], dout.shape[-1]
-    acc_ok = acc_dtypes(x.dtype, multi_precision)
-    if dweight is not None:
-        if list(dweight.shape) != [K, N]:
-            bad(f"dweight must be [K, N] = [{K}, {N}]")
-        if _dtype_name(dweight.dtype) not in acc_ok:
-            bad(f"dweight must be {' or '.join(sorted(acc_ok))}"
-                + (" when multi_precision=True" if multi_precision else ""))
-        if str(x.place) != str(dweight.place):
-            bad(f"dweight must be on the same device as x ({x.place} vs {dweight.place})")
-    if dbias is not None and has_bias:
-        if list(dbias.shape) != [N]:
-            bad(f"dbias must be [N] = [{N}]")
-        if _dtype_name(dbias.dtype) not in acc_ok:
-            bad(f"dbias must be {' or '.join(sorted(acc_ok))}"
-                + (" when multi_precision=True" if multi_precision else ""))
+def _strided(t) -> bool:
+    return t is not None and hasattr(t, "is_contiguous") and not t.is_contiguous()
 
 
 def _contiguous(t):
-    if t is not None and hasattr(t, "is_contiguous") and not t.is_contiguous():
-        return t.contiguous()
-    return t
+    """``t``, or a contiguous copy of a strided view.  (Not ``t.contiguous()``: in Paddle 2.6 and
+    3.x that converts the tensor itself, detaching the caller's view from its base buffer.)"""
+    if not _strided(t):
+        return t
+    with paddle.no_grad():
+        return paddle.assign(t)
+
+
+#: the environment knobs the C++ CPU op reads, per input dtype (checked per call: tests and
+#: users may change them after import; the op checks them again itself)
+_CPU_KNOBS = {"bfloat16": ("PADDLE_MGRAD_CPU_BF16", "PADDLE_MGRAD_CPU_CHUNK_ROWS"),
+              "float16": ("PADDLE_MGRAD_CPU_CHUNK_ROWS",),
+              "float64": ("PADDLE_MGRAD_CPU_FP64_KERNEL",)}
 
 
 def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precision=True,
@@ -302,26 +295,47 @@ def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precisi
     ``dweight += x2ᵀ · dout2`` and ``dbias += Σ_rows dout2`` where ``x2``/``dout2``
     are ``x``/``dout`` flattened to 2-D.  A given ``dweight``/``dbias`` is updated in
     place (same ``data_ptr()``) and returned; ``None`` allocates a fresh one (fp32
-    when ``multi_precision``).  Returns ``(dweight, dbias)``; ``dbias`` is None when
-    ``has_bias`` is false.  Raises :class:`FusedLinearError` on bad shapes/dtypes.
+    when ``multi_precision``).  A non-contiguous accumulator (a strided view into a flat
+    gradient buffer) is written through: computed in a contiguous copy, copied back into
+    the view.  Returns ``(dweight, dbias)``; ``dbias`` is None when ``has_bias`` is false.
+    Raises :class:`FusedLinearError` on bad input -- every input is checked before
+    anything is written.
     """
-    _check(x, dout, dweight, dbias, multi_precision, has_bias)
-    if dweight is not None and hasattr(dweight, "is_contiguous") and not dweight.is_contiguous():
-        raise FusedLinearError("fused_linear_param_grad_add: dweight must be contiguous "
-                               "(it is updated in place)")
-    tier = _tier_for(x, dweight, dbias, multi_precision, has_bias)
+    multi_precision = _inputs.flag("multi_precision", multi_precision)
+    has_bias = _inputs.flag("has_bias", has_bias)
+    _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
+    if not has_bias:
+        dbias = None
+    if _strided(dweight) or _strided(dbias):
+        # Paddle's custom-op runner would hand the C++ op a contiguous temporary and drop
+        # what it wrote: compute into our own contiguous copies and write them back.
+        w_tmp, b_tmp = _contiguous(dweight), _contiguous(dbias)
+        _dispatch(x, dout, w_tmp, b_tmp, multi_precision, has_bias)
+        with paddle.no_grad():
+            for view, tmp in ((dweight, w_tmp), (dbias, b_tmp)):
+                if view is not None and tmp is not view:
+                    paddle.assign(tmp, output=view)
+        return dweight, dbias
+    return _dispatch(x, dout, dweight, dbias, multi_precision, has_bias)
+
+
+def _dispatch(x, dout, dweight, dbias, multi_precision, has_bias):
+    """The checked call (contiguous accumulators) on the tier for its place."""
+    tier = _tier_for(x, dweight, dbias, multi_precision, has_bias, dout=dout)
     if tier == "paddle-fused":
         return _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias)
     module = _state["module"] if tier == "cpp" else None
     # K = 0 or N = 0: a zero-size [K, N] result, which Paddle 2.6's custom-op runtime rejects
     # as "not initialized"; the reference handles it without a GEMM.
     if module is None or 0 in (x.shape[-1], dout.shape[-1]):
-        return _reference.fused_linear_param_grad_add(x, dout, dweight, dbias if has_bias else None,
+        return _reference.fused_linear_param_grad_add(x, dout, dweight, dbias,
                                                       multi_precision, has_bias)
+    if _is_cpu(x):
+        for name in _CPU_KNOBS.get(_dtype_name(x.dtype), ()):
+            env_get(name)  # EnvError naming the variable and the accepted values
     x, dout = _contiguous(x), _contiguous(dout)
     with paddle.no_grad():
-        dw, db = module.pmg_fused_wgrad_add(
-            x, dout, dweight, dbias if has_bias else None, bool(multi_precision), bool(has_bias))
+        dw, db = module.pmg_fused_wgrad_add(x, dout, dweight, dbias, multi_precision, has_bias)
     if dweight is not None:
         dw = dweight  # the op wrote into dweight's allocation; hand back the caller's object
     if not has_bias:

@@ -106,7 +106,7 @@ def has_onednn() -> bool:
 
 def want_cuda() -> bool:
     """Paddle is built with CUDA and the user did not opt out (PADDLE_MGRAD_NO_CUDA=1)."""
-    return paddle.is_compiled_with_cuda() and os.environ.get("PADDLE_MGRAD_NO_CUDA", "0") == "0"
+    return paddle.is_compiled_with_cuda() and not env_get("PADDLE_MGRAD_NO_CUDA")
 
 
 def cuda_toolkit() -> bc.CudaToolkit:
@@ -139,7 +139,7 @@ def build_config(cuda=None):
     cuda = with_cuda() if cuda is None else cuda
     cflags = list(bc.CXX_FLAGS)
     ldflags = list(bc.LD_FLAGS)
-    if has_onednn() and os.environ.get("PADDLE_MGRAD_NO_ONEDNN", "0") == "0":
+    if has_onednn() and not env_get("PADDLE_MGRAD_NO_ONEDNN"):
         libs = paddle_libs_dir()
         cflags.append(bc.ONEDNN_DEFINE)
         ldflags += [f"-L{libs}", "-l:libdnnl.so.3", f"-Wl,-rpath,{libs}"]
