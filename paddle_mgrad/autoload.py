@@ -83,7 +83,7 @@ def activate(value=None, log=True) -> dict:
         rank = _rank()
         prefix = f"[rank {rank}] " if rank is not None else ""
         print(f"{prefix}paddle_mgrad: {on} on{op} via {ENV}", file=sys.stderr, flush=True)
-    report_dir = os.environ.get(REPORT_ENV)
+    report_dir = env.get(REPORT_ENV)
     if report_dir:
         atexit.register(_write_report, report_dir, value)
     return info

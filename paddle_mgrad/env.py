@@ -69,9 +69,9 @@ def _chunk_rows(text: str) -> Optional[int]:
     return v
 
 
-def _path(text: str) -> str:
+def _path(text: str) -> Optional[str]:
     if text.strip() == "":
-        raise ValueError
+        return None  # set but empty: the default, as for every other knob here
     return os.path.expanduser(text)
 
 

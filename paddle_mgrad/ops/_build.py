@@ -182,9 +182,8 @@ def default_cache_root() -> str:
 
 def cache_root() -> str:
     """``$PADDLE_MGRAD_CACHE`` (``~`` expanded) or :func:`default_cache_root`."""
-    if env_raw("PADDLE_MGRAD_CACHE"):
-        return os.path.abspath(env_get("PADDLE_MGRAD_CACHE"))
-    return default_cache_root()
+    root = env_get("PADDLE_MGRAD_CACHE")
+    return os.path.abspath(root) if root else default_cache_root()
 
 
 def prebuilt_root() -> str:
