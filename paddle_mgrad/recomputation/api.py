@@ -1,11 +1,11 @@
 """The public entry point, :func:`recompute`, and the trampoline Paddle's ``recompute`` runs."""
 from __future__ import annotations
 
-import os
-
+from .. import env
 from .._compat import paddle, tracer
 from .non_reentrant import recompute_non_reentrant
 from .reentrant import recompute_reentrant
+from .to_static import break_graph, untraced
 
 __all__ = ["recompute", "DETERMINISM_CHECKS", "ENV_DETERMINISM_CHECK"]
 
@@ -16,15 +16,19 @@ ENV_DETERMINISM_CHECK = "PADDLE_MGRAD_DETERMINISM_CHECK"
 
 
 def determinism_check_mode(value=None):
-    """The determinism check to run: ``value``, else ``$PADDLE_MGRAD_DETERMINISM_CHECK``, else
-    ``"shapes"``; a bad value is a ValueError naming where it came from."""
-    source = "determinism_check"
+    """The determinism check to run: ``value``, else ``$PADDLE_MGRAD_DETERMINISM_CHECK``
+    (through :func:`paddle_mgrad.env.get`, which validates it: an
+    :class:`~paddle_mgrad.errors.EnvError` naming the variable), else ``"shapes"``; a bad
+    ``value`` is a ValueError."""
     if value is None:
-        value, source = os.environ.get(ENV_DETERMINISM_CHECK) or "shapes", ENV_DETERMINISM_CHECK
+        return env.get(ENV_DETERMINISM_CHECK)
     mode = {"default": "shapes"}.get(str(value).strip().lower(), str(value).strip().lower())
     if mode not in DETERMINISM_CHECKS:
-        raise ValueError(f"{source}={value!r}: expected one of {', '.join(DETERMINISM_CHECKS)}")
+        raise ValueError(f"determinism_check={value!r}: expected one of "
+                         f"{', '.join(DETERMINISM_CHECKS)}")
     return mode
+
+
 
 
 def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offload_indices=(),
@@ -58,19 +62,22 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
     fingerprint, not a proof: a change smaller than ~1e-5 of the tensor's
     magnitude can pass.
     """
+    break_graph()  # to_static (SOT): run this call as dygraph, as Paddle's recompute
     check = determinism_check_mode(determinism_check)
     if not paddle.in_dynamic_mode():
         from paddle.distributed.auto_parallel.interface import recompute as static_recompute
 
         return static_recompute(function)(*args, **kwargs)
-    if not tracer()._has_grad:
-        return function(*args, **kwargs)
-    if use_reentrant:
-        return recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
-                                   check)
-    if offload_indices:
-        raise ValueError("offload_indices is only supported with use_reentrant=True (as in Paddle)")
-    return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check)
+    with untraced():
+        if not tracer()._has_grad:
+            return function(*args, **kwargs)
+        if use_reentrant:
+            return recompute_reentrant(function, preserve_rng_state, offload_indices, args,
+                                       kwargs, check)
+        if offload_indices:
+            raise ValueError(
+                "offload_indices is only supported with use_reentrant=True (as in Paddle)")
+        return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check)
 
 
 def _paddle_recompute_trampoline(function, *args, **kwargs):

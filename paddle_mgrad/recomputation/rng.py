@@ -76,7 +76,10 @@ class RNGState:
             paddle.set_rng_state(self.device_state)
         elif self.device_kind == "custom":
             paddle.set_rng_state(self.device_state, self.device)
-        _tracker().set_states_tracker(self.tracker)
+        # a copy: Paddle 2.6's tracker keeps the dict it is given and writes each
+        # advanced state back into it, which would advance this snapshot and give a
+        # second replay (retain_graph=True) other dropout masks
+        _tracker().set_states_tracker(dict(self.tracker))
         np.random.set_state(self.numpy)
         random.setstate(self.python)
         if self._custom_set is not None and self.custom is not None:
