@@ -5,9 +5,10 @@
 empties it).  Every op of every thread calls whatever pair is there.  Installing
 a recompute's pair directly meant that, with several Python threads, one
 thread's ops were packed by another thread's recompute (and its pair replaced
-or removed while the other still ran): iterations ended with neither
-``main_grad`` nor ``.grad`` and no error.  Instead, :func:`hooks` pushes the
-pair on a *per-thread* stack and the slot holds one dispatcher pair of ours:
+or removed while the other still ran): 139-145 of 200 iterations ended with
+neither ``main_grad`` nor ``.grad`` and no error.  Instead, :func:`hooks` pushes
+the pair on a *per-thread* stack and the slot holds one dispatcher of ours
+(:class:`_Epoch`):
 
 * a tensor saved by a thread with a non-empty stack goes to that thread's top
   pair; what the pair's pack returns travels with its own unpack, so backward
@@ -19,11 +20,22 @@ pair on a *per-thread* stack and the slot holds one dispatcher pair of ours:
 
 Nesting (a recompute inside a recompute) is the same stack.  The dispatcher is
 registered when the first frame in the process starts and removed when the last
-one ends -- unless another thread was seen saving tensors (or running its own
-recompute) meanwhile: Paddle reads the slot without a lock, so emptying it while
-another thread runs ops could hand that thread a null hook.  From then on the
-dispatcher stays registered (every save in the process passes through one
-Python call) until :func:`paddle_mgrad.disable` (:func:`release`).
+one ends.  Paddle reads the slot without a lock, so emptying it while another
+thread runs ops can hand that thread a null hook (a segfault, also with Paddle's
+own hooks): on Paddle 3.x, once another thread was seen saving tensors or
+running its own recompute, the dispatcher stays registered (every save in the
+process then passes through one Python call) until :func:`paddle_mgrad.disable`
+(:func:`release`) or exit.
+
+Paddle 2.6 never releases what a pack hook returns.  There the dispatcher's
+pack returns a small int and owns the rest itself; Paddle keeps the registered
+unpack callable in each saved tensor and does release *that*, so what we own
+dies with the graph (before, every tensor a recompute kept -- its inputs --
+leaked: about 2 MiB per step for a 1 MiB input).  The price: the dispatcher
+cannot stay registered for good on 2.6 (it would own every saved tensor of the
+process), so recompute frames of different threads take turns (a lock), and a
+thread that records autograd *outside* recompute while another thread's frame
+ends can still meet Paddle 2.6's unlocked slot (documented limit).
 
 **Non-tensor saves.** ``PyLayerContext.save_for_backward`` stores its arguments
 in a C++ ``container`` whose setter, while a hook pair is active, runs the pack
@@ -172,16 +184,8 @@ def _unregister():
     _slot["epoch"] = None
 
 
-def _refuse_second_thread(me):
-    others = [t for t in _frames_by_thread if t != me]
-    if PACKED_VALUES_LEAK and others:
-        raise RecomputeError(
-            "paddle_mgrad.recompute(use_reentrant=False) is already running in another "
-            f"thread (id {others[0]}). On Paddle 2.6 non-reentrant recompute runs in one "
-            "thread at a time: Paddle's saved-tensor hooks are process-wide, and keeping "
-            "them installed for several threads would leak every saved tensor (2.6 never "
-            "frees what a pack hook returns). Use use_reentrant=True in threads, run the "
-            "recomputing threads one after another, or use Paddle 3.x.")
+#: Paddle 2.6: frames of different threads take turns (see the module docstring)
+_one_thread_at_a_time = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -189,28 +193,33 @@ def hooks(pack, unpack):
     """Run the body with ``(pack, unpack)`` as this thread's saved-tensor hooks."""
     stack = _stack()
     me = threading.get_ident()
-    with _lock:
-        _refuse_second_thread(me)
-        if _slot["epoch"] is None:
-            _register()
-        stack.append((pack, unpack))
-        _slot["frames"] += 1
-        _frames_by_thread[me] = _frames_by_thread.get(me, 0) + 1
-        if len(_frames_by_thread) > 1:
-            _slot["sticky"] = True
+    if PACKED_VALUES_LEAK:
+        _one_thread_at_a_time.acquire()
     try:
-        yield
-    finally:
         with _lock:
-            stack.pop()
-            _slot["frames"] -= 1
-            left = _frames_by_thread[me] - 1
-            if left:
-                _frames_by_thread[me] = left
-            else:
-                del _frames_by_thread[me]
-            if _slot["frames"] == 0 and (PACKED_VALUES_LEAK or not _slot["sticky"]):
-                _unregister()
+            if _slot["epoch"] is None:
+                _register()
+            stack.append((pack, unpack))
+            _slot["frames"] += 1
+            _frames_by_thread[me] = _frames_by_thread.get(me, 0) + 1
+            if len(_frames_by_thread) > 1:
+                _slot["sticky"] = True
+        try:
+            yield
+        finally:
+            with _lock:
+                stack.pop()
+                _slot["frames"] -= 1
+                left = _frames_by_thread[me] - 1
+                if left:
+                    _frames_by_thread[me] = left
+                else:
+                    del _frames_by_thread[me]
+                if _slot["frames"] == 0 and (PACKED_VALUES_LEAK or not _slot["sticky"]):
+                    _unregister()
+    finally:
+        if PACKED_VALUES_LEAK:
+            _one_thread_at_a_time.release()
 
 
 def release():
