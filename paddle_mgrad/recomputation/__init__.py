@@ -11,7 +11,8 @@ Where things are:
 * :mod:`.rng`, :mod:`.amp` -- capture in forward, replay in recomputation;
 * :mod:`.saved_hooks` -- per-thread stacks of saved-tensor hook pairs (threads,
   nesting) and ``save_for_backward`` of non-tensor objects;
-* :mod:`.tensors` -- small helpers shared by both implementations.
+* :mod:`.tensors` -- small helpers shared by both implementations;
+* :mod:`.to_static` -- recompute under ``paddle.jit.to_static`` runs as dygraph.
 """
 from ..errors import RecomputeError
 from .api import recompute

@@ -5,7 +5,7 @@ from .. import env
 from .._compat import paddle, tracer
 from .non_reentrant import recompute_non_reentrant
 from .reentrant import recompute_reentrant
-from .to_static import break_graph, untraced
+from . import to_static  # noqa: F401  (registers our files with to_static's SOT)
 
 __all__ = ["recompute", "DETERMINISM_CHECKS", "ENV_DETERMINISM_CHECK"]
 
@@ -27,8 +27,6 @@ def determinism_check_mode(value=None):
         raise ValueError(f"determinism_check={value!r}: expected one of "
                          f"{', '.join(DETERMINISM_CHECKS)}")
     return mode
-
-
 
 
 def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offload_indices=(),
@@ -62,22 +60,19 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
     fingerprint, not a proof: a change smaller than ~1e-5 of the tensor's
     magnitude can pass.
     """
-    break_graph()  # to_static (SOT): run this call as dygraph, as Paddle's recompute
     check = determinism_check_mode(determinism_check)
     if not paddle.in_dynamic_mode():
         from paddle.distributed.auto_parallel.interface import recompute as static_recompute
 
         return static_recompute(function)(*args, **kwargs)
-    with untraced():
-        if not tracer()._has_grad:
-            return function(*args, **kwargs)
-        if use_reentrant:
-            return recompute_reentrant(function, preserve_rng_state, offload_indices, args,
-                                       kwargs, check)
-        if offload_indices:
-            raise ValueError(
-                "offload_indices is only supported with use_reentrant=True (as in Paddle)")
-        return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check)
+    if not tracer()._has_grad:
+        return function(*args, **kwargs)
+    if use_reentrant:
+        return recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
+                                   check)
+    if offload_indices:
+        raise ValueError("offload_indices is only supported with use_reentrant=True (as in Paddle)")
+    return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check)
 
 
 def _paddle_recompute_trampoline(function, *args, **kwargs):

@@ -33,7 +33,6 @@ from .. import stats
 from .._compat import is_tensor, paddle, tracer
 from . import reentrant as _reentrant
 from .api import determinism_check_mode
-from .to_static import break_graph, untraced
 
 __all__ = ["recompute_hybrid"]
 
@@ -94,7 +93,6 @@ class _HybridStash(_reentrant.Offload):
 
 def recompute_hybrid(ctx, function, *args, **kwargs):
     """Drop-in for ``paddle.distributed.fleet.recompute.recompute_hybrid`` (see module doc)."""
-    break_graph()  # to_static (SOT): run this call as dygraph (see .to_static)
     mp_group = ctx.get("mp_group", None)
     if mp_group is None:
         raise ValueError("recompute_hybrid: ctx must contain 'mp_group' (a Group), got "
@@ -103,14 +101,13 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
         raise RuntimeError("recompute_hybrid works in dynamic (dygraph) mode only")
     stats.bump(stats.recompute, "hybrid")
     stash = _HybridStash(mp_group, ctx.get("offload", False), ctx.get("partition", False))
-    with untraced():
-        if not tracer()._has_grad:
-            outputs = function(*args, **kwargs)
-        else:
-            layout, tensors, call_kwargs, anchor = _reentrant._prepare(
-                function, args, kwargs, "recompute_hybrid")
-            outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs,
-                                     anchor, determinism_check_mode())
+    if not tracer()._has_grad:
+        outputs = function(*args, **kwargs)
+    else:
+        layout, tensors, call_kwargs, anchor = _reentrant._prepare(
+            function, args, kwargs, "recompute_hybrid")
+        outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs, anchor,
+                                 determinism_check_mode())
     if is_tensor(outputs):
         return outputs
     outputs = tuple(outputs)
