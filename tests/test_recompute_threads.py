@@ -45,13 +45,13 @@ def _model(k, dropout=0.0):
     return blk, MixPrecisionLayer(blk, dtype="bfloat16")  # main_grad via its grad hook
 
 
-def _step(blk, model, x, **kw):
+def _step(blk, model, x, use_reentrant=False, **kw):
     """One micro-step from main_grad None; returns [main_grad] (None where lost)."""
     for p in blk.parameters():
         p.main_grad = None
     xt = paddle.to_tensor(x)
     xt.stop_gradient = False
-    y = paddle_mgrad.recompute(model, xt, use_reentrant=False, **kw)
+    y = paddle_mgrad.recompute(model, xt, use_reentrant=use_reentrant, **kw)
     (y * y).sum().backward()
     assert all(p.grad is None for p in blk.parameters())
     return [None if p.main_grad is None else p.main_grad.numpy().copy() for p in blk.parameters()]
@@ -75,8 +75,10 @@ def _run_threads(work):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("preserve_rng_state", [True, False])
-def test_four_threads_each_iteration_equals_single_threaded(preserve_rng_state):
+@pytest.mark.parametrize("use_reentrant,preserve_rng_state",
+                         [(False, True), (False, False), (True, True)],
+                         ids=["non_reentrant", "non_reentrant-no_rng", "reentrant"])
+def test_four_threads_each_iteration_equals_single_threaded(use_reentrant, preserve_rng_state):
     data = _data()
     ref = []
     for k in range(N_THREADS):  # single-threaded reference, the same models and data
@@ -91,7 +93,8 @@ def test_four_threads_each_iteration_equals_single_threaded(preserve_rng_state):
         start.wait()
         for i, x in enumerate(data):
             try:
-                results[k][i] = _step(blk, model, x, preserve_rng_state=preserve_rng_state)
+                results[k][i] = _step(blk, model, x, use_reentrant=use_reentrant,
+                                      preserve_rng_state=preserve_rng_state)
             except Exception as e:  # noqa: BLE001 - counted below
                 results[k][i] = e
 
