@@ -33,9 +33,10 @@ unpack callable in each saved tensor and does release *that*, so what we own
 dies with the graph (before, every tensor a recompute kept -- its inputs --
 leaked: about 2 MiB per step for a 1 MiB input).  The price: the dispatcher
 cannot stay registered for good on 2.6 (it would own every saved tensor of the
-process), so recompute frames of different threads take turns (a lock), and a
-thread that records autograd *outside* recompute while another thread's frame
-ends can still meet Paddle 2.6's unlocked slot (documented limit).
+process) and must be emptied after each recompute, which crashes a thread that
+records autograd at that moment.  So on 2.6 non-reentrant recompute runs in one
+thread, while no other thread is seen recording autograd; otherwise it raises
+:class:`RecomputeError` every time (:func:`_paddle2_refuse_threads`).
 
 **Non-tensor saves.** ``PyLayerContext.save_for_backward`` stores its arguments
 in a C++ ``container`` whose setter, while a hook pair is active, runs the pack
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import threading
 
 from .. import registry
@@ -117,10 +119,13 @@ class _Epoch:
     and what must live as long as the saved tensor (the routed value with its
     frame, a passed-through tensor) is owned here, so it dies with the graph."""
 
-    __slots__ = ("owned", "__weakref__")
+    __slots__ = ("owned", "_keys", "__weakref__")
 
     def __init__(self):
         self.owned: dict = {}
+        # next() of a C counter is atomic under the GIL; len(owned) was not: two threads
+        # packing at once got the same key, and one saved tensor came back as the other
+        self._keys = itertools.count()
 
     def pack(self, x):
         stack = getattr(_local, "stack", None)
@@ -129,8 +134,11 @@ class _Epoch:
             packed = _Routed(unpack, pack(x))
         else:
             # Another thread saves while one of ours recomputes: from now on the slot is
-            # never emptied while threads run (Paddle reads it without a lock).
+            # never emptied while threads run (Paddle reads it without a lock); on 2.6,
+            # where it must be, non-reentrant recompute is refused from now on instead.
             _slot["sticky"] = True
+            if PACKED_VALUES_LEAK:
+                _paddle2_threads["other"] = threading.current_thread()
             if x is None:
                 return None
             if in_pylayer_save():  # the user's own object, as Paddle keeps it without hooks
@@ -141,7 +149,7 @@ class _Epoch:
                 packed = _Passthrough(x.detach(), x._inplace_version(), False)
         if not PACKED_VALUES_LEAK:
             return packed
-        key = len(self.owned)
+        key = next(self._keys)
         self.owned[key] = packed
         return key
 
@@ -184,8 +192,41 @@ def _unregister():
     _slot["epoch"] = None
 
 
-#: Paddle 2.6: frames of different threads take turns (see the module docstring)
-_one_thread_at_a_time = threading.RLock()
+#: Paddle 2.6: the thread that runs non-reentrant recompute, and another thread seen
+#: recording autograd meanwhile (see :func:`_paddle2_refuse_threads`)
+_paddle2_threads = {"owner": None, "other": None}
+
+
+def _paddle2_refuse_threads():
+    """Paddle 2.6: non-reentrant recompute runs in one thread while no other thread records
+    autograd, else RecomputeError -- every time, before any hook is installed.
+
+    On 2.6 the hook slot must be emptied after each recompute (2.6 never frees what a
+    pack hook returns; a permanent dispatcher would own every tensor the process saves), and
+    emptying it while another thread is between Paddle's unlocked read of the slot and its
+    use crashes that thread (segfault; also with Paddle's own hooks).  The first thread to
+    recompute owns it (a new one once it has ended); another thread seen saving tensors
+    while ours ran (the pass-through) refuses it until that thread ends."""
+    me = threading.current_thread()
+    state = _paddle2_threads
+    if state["owner"] is None or not state["owner"].is_alive():
+        state["owner"] = me
+    if state["other"] is not None and not state["other"].is_alive():
+        state["other"] = None
+    if state["owner"] is not me:
+        why = (f"thread {state['owner'].name!r} ran it first (one thread per process, until "
+               "that thread ends or paddle_mgrad.disable())")
+    elif state["other"] is not None and state["other"] is not me:
+        why = (f"thread {state['other'].name!r} also records autograd (it saved tensors "
+               "while a recompute ran)")
+    else:
+        return
+    raise RecomputeError(
+        f"paddle_mgrad.recompute(use_reentrant=False) refused in thread {me.name!r}: {why}. "
+        "On Paddle 2.6 non-reentrant recompute needs saved-tensor hooks, which are "
+        "process-wide and read without a lock, so installing and removing them while another "
+        "thread runs Paddle ops can crash the process (Paddle's own recompute too). Use "
+        "use_reentrant=True in threads (no hooks), keep autograd in one thread, or Paddle 3.x.")
 
 
 @contextlib.contextmanager
@@ -193,33 +234,29 @@ def hooks(pack, unpack):
     """Run the body with ``(pack, unpack)`` as this thread's saved-tensor hooks."""
     stack = _stack()
     me = threading.get_ident()
-    if PACKED_VALUES_LEAK:
-        _one_thread_at_a_time.acquire()
-    try:
-        with _lock:
-            if _slot["epoch"] is None:
-                _register()
-            stack.append((pack, unpack))
-            _slot["frames"] += 1
-            _frames_by_thread[me] = _frames_by_thread.get(me, 0) + 1
-            if len(_frames_by_thread) > 1:
-                _slot["sticky"] = True
-        try:
-            yield
-        finally:
-            with _lock:
-                stack.pop()
-                _slot["frames"] -= 1
-                left = _frames_by_thread[me] - 1
-                if left:
-                    _frames_by_thread[me] = left
-                else:
-                    del _frames_by_thread[me]
-                if _slot["frames"] == 0 and (PACKED_VALUES_LEAK or not _slot["sticky"]):
-                    _unregister()
-    finally:
+    with _lock:
         if PACKED_VALUES_LEAK:
-            _one_thread_at_a_time.release()
+            _paddle2_refuse_threads()
+        if _slot["epoch"] is None:
+            _register()
+        stack.append((pack, unpack))
+        _slot["frames"] += 1
+        _frames_by_thread[me] = _frames_by_thread.get(me, 0) + 1
+        if len(_frames_by_thread) > 1:
+            _slot["sticky"] = True
+    try:
+        yield
+    finally:
+        with _lock:
+            stack.pop()
+            _slot["frames"] -= 1
+            left = _frames_by_thread[me] - 1
+            if left:
+                _frames_by_thread[me] = left
+            else:
+                del _frames_by_thread[me]
+            if _slot["frames"] == 0 and (PACKED_VALUES_LEAK or not _slot["sticky"]):
+                _unregister()
 
 
 def release():
@@ -227,6 +264,7 @@ def release():
     (:func:`paddle_mgrad.disable`); a running one empties it when it ends."""
     with _lock:
         _slot["sticky"] = False
+        _paddle2_threads.update(owner=None, other=None)
         if _slot["epoch"] is not None and _slot["frames"] == 0:
             _unregister()
 
