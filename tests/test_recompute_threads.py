@@ -305,10 +305,12 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
     """)
     assert r.returncode == 0, f"exit {r.returncode} (negative: a signal)\n" + r.stderr[-3000:]
     frames, ops, refused = map(int, r.stdout.split("survived")[1].split())
-    assert frames > 0 and ops > 0
-    # 2.6: refused once a worker's save was seen during a recompute (timing; the refusal
-    # itself is test_another_autograd_thread_seen_during_recompute)
-    assert PADDLE2 or refused == 0
+    assert ops > 0
+    if PADDLE2:  # refused once a worker's save was seen during a recompute (timing; the
+        # refusal itself: test_another_autograd_thread_seen_during_recompute)
+        assert frames + refused > 0
+    else:
+        assert frames > 0 and refused == 0
 
 
 def test_another_autograd_thread_seen_during_recompute():
