@@ -145,15 +145,16 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         "PyLayerContext.save_for_backward", "support", "paddle.autograd.py_layer",
         "PyLayerContext.save_for_backward", "attr",
         "paddle_mgrad.recomputation.saved_hooks:wrap_save_for_backward",
-        "Paddle 2.6 raises ValueError for None in save_for_backward while saved-tensor hooks are "
-        "active; the shim keeps None out of the container and tells the pack hook the save "
-        "comes from a PyLayer.", when=lambda: IS_PADDLE_2),
+        "While saved-tensor hooks are active (non-reentrant recompute) Paddle accepts only "
+        "tensors in save_for_backward (ValueError for a bool, an int, a string; for None on "
+        "2.6; a list crashes); the shim saves the tensors and keeps every other object on the "
+        "context. Installed by enable() and the first non-reentrant recompute; it also tells "
+        "the pack hook that the save comes from a PyLayer."),
     Replacement(
         "PyLayerContext.saved_tensor", "support", "paddle.autograd.py_layer",
         "PyLayerContext.saved_tensor", "attr",
         "paddle_mgrad.recomputation.saved_hooks:wrap_saved_tensor",
-        "Puts the None entries kept out by the save_for_backward shim back in place (2.6).",
-        when=lambda: IS_PADDLE_2),
+        "Puts the non-tensor objects kept out by the save_for_backward shim back in place."),
 )
 
 _BY_KEY = {r.key: r for r in REPLACEMENTS}

@@ -26,7 +26,10 @@ def enable(recompute: bool = True, fused_linear: bool = False):
     :func:`paddle_mgrad.fused_linear`, whose weight/bias gradients accumulate
     in place into fp32 ``main_grad``.
 
-    A feature passed as ``False`` is switched off if it was on.
+    A feature passed as ``False`` is switched off if it was on.  With either
+    feature on, ``ctx.save_for_backward`` of any ``PyLayer`` also takes
+    non-tensor objects (bool, int, None, strings, ...) while saved-tensor hooks
+    are active (registry entry ``PyLayerContext.save_for_backward``).
     """
     from . import registry  # local: parse_activation must not import Paddle (env, doctor)
 
@@ -35,6 +38,10 @@ def enable(recompute: bool = True, fused_linear: bool = False):
             registry.install(feature)
         else:
             registry.uninstall(feature)
+    if recompute or fused_linear:
+        from .recomputation.saved_hooks import install_save_shim
+
+        install_save_shim()
 
 
 def disable():
@@ -47,6 +54,9 @@ def disable():
     from . import registry
 
     registry.uninstall(None)
+    from .recomputation.saved_hooks import release
+
+    release()  # the saved-tensor hook slot, if threads kept our dispatcher in it
 
 
 def enabled() -> dict:

@@ -14,6 +14,7 @@ import pytest
 
 import paddle_mgrad
 from paddle_mgrad import RecomputeError
+from paddle_mgrad.errors import EnvError
 from paddle_mgrad.recomputation import non_reentrant
 from paddle_mgrad.recomputation.api import ENV_DETERMINISM_CHECK
 from paddle_mgrad.recomputation.tensors import fingerprint, fingerprint_mismatch
@@ -112,7 +113,9 @@ def test_environment_variable_read_at_call_time(monkeypatch):
     monkeypatch.setenv(ENV_DETERMINISM_CHECK, "bogus")
     x = paddle.randn([2])
     x.stop_gradient = False
-    with pytest.raises(ValueError, match=f"{ENV_DETERMINISM_CHECK}='bogus': expected one of"):
+    # read through paddle_mgrad.env (its table names the accepted values)
+    with pytest.raises(EnvError, match=f"{ENV_DETERMINISM_CHECK}='bogus' is not valid; "
+                                       "accepted: shapes"):
         paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False)
     with pytest.raises(ValueError, match="determinism_check='shape': expected one of"):
         paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False, determinism_check="shape")
@@ -177,7 +180,7 @@ def test_fingerprints_only_for_recomputed_tensors_and_freed_with_frame(monkeypat
     dropped = {h.index for h in alive if h is not None and not h.kept}
     assert kept and dropped  # parameters/x are kept, activations dropped
     assert set(frame.prints) == dropped  # no fingerprint for kept holders
-    assert all(fp.shape == [3] and fp.dtype == paddle.float64 for _, fp in frame.prints.values())
+    assert all(fp.shape == [4] and fp.dtype == paddle.float64 for _, fp in frame.prints.values())
     del frame, alive
     y.sum().backward()
     del y
@@ -202,7 +205,97 @@ def test_fingerprint_sees_permutations_and_small_changes():
     bumped[7, 3] += 0.5
     assert fingerprint_mismatch(base, fingerprint(paddle.to_tensor(bumped)).numpy()) is not None
     for dt in ("int64", "bool", "float64"):
-        assert fingerprint(x.astype(dt)).shape == [3]
+        assert fingerprint(x.astype(dt)).shape == [4]
     nan = paddle.to_tensor([1.0, float("nan")])
     assert fingerprint_mismatch(fingerprint(nan).numpy(), fingerprint(nan).numpy()) is None
-    assert fingerprint(paddle.zeros([0, 4])).numpy().tolist() == [0.0, 0.0, 0.0]
+    assert fingerprint(paddle.zeros([0, 4])).numpy().tolist() == [0.0] * 4
+
+
+# -------------------------------------------------- non-finite and huge values (issue 15)
+INF = float("inf")
+
+
+def _runs(fn, use_reentrant, x):
+    """fn's first call is the forward, later calls the recomputation."""
+    xt = paddle.to_tensor(x, stop_gradient=False)
+    y = paddle_mgrad.recompute(fn, xt, use_reentrant=use_reentrant, determinism_check="values")
+    y.sum().backward()
+    return xt.grad.numpy()
+
+
+def _two_faced(first, later):
+    """A block whose saved tensor (h, saved by the multiply) and output are ``first(x)`` in
+    the forward and ``later(x)`` in recomputation."""
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        h = (first if len(calls) == 1 else later)(x)
+        return h * x  # saves h (and x)
+
+    return fn
+
+
+def _with(values):
+    """x -> x * 1 with some entries replaced by ``values`` ({flat index: value})."""
+    def make(x):
+        mask = np.zeros(x.shape, "float32")
+        fill = np.zeros(x.shape, "float32")
+        for i, v in values.items():
+            mask.flat[i] = 1.0
+            fill.flat[i] = v
+        m, f = paddle.to_tensor(mask), paddle.to_tensor(fill)
+        return paddle.where(m > 0, f, x * 1.0)
+    return make
+
+
+LEGIT = {
+    "minus_inf": _with({3: -INF}),  # an attention mask's -inf
+    "plus_and_minus_inf": _with({1: INF, 6: -INF}),  # sums are NaN in both runs
+    "nan": _with({2: float("nan")}),
+    "near_1e20": lambda x: x * 1e20,  # fp32 sum of squares overflows to inf
+}
+
+
+@pytest.mark.parametrize("use_reentrant", MODES, ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("case", sorted(LEGIT))
+def test_values_check_no_false_alarm_on_non_finite_or_huge_values(case, use_reentrant):
+    """The same non-finite / huge values in the forward and in recomputation: no
+    RecomputeError ("sum -inf in the forward, -inf in recomputation" was raised: inf - inf
+    is NaN), and the gradients equal an unchecked run's."""
+    x = np.random.RandomState(1).standard_normal([2, 8]).astype("float32")
+    make = LEGIT[case]
+    got = _runs(_two_faced(make, make), use_reentrant, x)
+    ref = paddle.to_tensor(x, stop_gradient=False)
+    (make(ref) * ref).sum().backward()
+    np.testing.assert_array_equal(got, ref.grad.numpy())
+
+
+REAL = {
+    "nan_appears": (_with({3: -INF}), _with({3: -INF, 5: float("nan")})),
+    "inf_changes_sign": (_with({3: INF}), _with({3: -INF})),
+    "two_infs_swap_signs": (_with({0: INF, 1: -INF}), _with({0: -INF, 1: INF})),
+    "inf_appears": (_with({}), _with({4: INF})),
+    "value_changes_near_1e20": (lambda x: x * 1e20, lambda x: x * 1e20 * 1.01),
+    "nan_moves": (_with({2: float("nan")}), _with({4: float("nan")})),
+}
+
+
+@pytest.mark.parametrize("use_reentrant", MODES, ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("case", sorted(REAL))
+def test_values_check_still_sees_real_differences_among_non_finite_values(case, use_reentrant):
+    x = np.random.RandomState(1).standard_normal([2, 8]).astype("float32")
+    first, later = REAL[case]
+    with pytest.raises(RecomputeError, match="has different values"):
+        _runs(_two_faced(first, later), use_reentrant, x)
+    paddle.framework._dygraph_tracer()._has_grad = True
+
+
+def test_fingerprint_mismatch_rules_for_non_finite_fields():
+    f = np.array
+    assert fingerprint_mismatch(f([-INF, INF, 1.0, 0.0]), f([-INF, INF, 1.0, 0.0])) is None
+    assert fingerprint_mismatch(f([np.nan, 1.0, 1.0, 0.0]), f([np.nan, 1.0, 1.0, 0.0])) is None
+    assert fingerprint_mismatch(f([INF, 1.0, 1.0, 0.0]), f([-INF, 1.0, 1.0, 0.0])) == 0
+    assert fingerprint_mismatch(f([INF, 1.0, 1.0, 0.0]), f([3e38, 1.0, 1.0, 0.0])) == 0
+    assert fingerprint_mismatch(f([1.0, np.nan, 1.0, 0.0]), f([1.0, 2.0, 1.0, 0.0])) == 1
+    assert fingerprint_mismatch(f([1.0, 1.0, 1.0, 0.0]), f([1.0, 1.0, 1.0, 5.0])) == 3

@@ -353,6 +353,41 @@ def test_dropout_bit_identical_over_steps(impl, use_reentrant):
         assert np.array_equal(a, b)
 
 
+def test_mp_tracker_dropout_same_in_a_second_backward():
+    """fleet's model-parallel RNG tracker (real, on the CPU): a block drawing its dropout
+    mask under ``tracker.rng_state()``; a second backward (retain_graph=True) re-runs the
+    recomputation and must replay the same mask: 2x the gradient of one backward, which
+    equals plain autograd without recompute.  On Paddle 2.6 the first replay advanced the
+    saved snapshot (the tracker kept our dict), so the second drew another mask."""
+    from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+    tracker = get_rng_state_tracker()
+    name = "paddle_mgrad_test_dropout"
+    if name not in tracker.get_states_tracker():
+        tracker.add(name, 77)
+    w = paddle.randn([8, 8])
+
+    def fn(x):
+        h = paddle.matmul(x, w)
+        with get_rng_state_tracker().rng_state(name):
+            h = paddle.nn.functional.dropout(h, 0.5)
+        return paddle.tanh(h)
+
+    start = tracker.get_states_tracker()
+    x = paddle.randn([16, 8])
+    xp = x.detach()
+    xp.stop_gradient = False
+    (fn(xp) ** 2).sum().backward()  # plain, no recompute
+    tracker.set_states_tracker(dict(start))
+    x.stop_gradient = False
+    y = paddle_mgrad.recompute(fn, x, use_reentrant=False)
+    (y ** 2).sum().backward(retain_graph=True)
+    g1 = x.grad.numpy().copy()
+    (y ** 2).sum().backward()
+    np.testing.assert_allclose(g1, xp.grad.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * g1, rtol=1e-6, atol=1e-6)
+
+
 def test_rng_state_restored_after_recompute():
     """Recomputation must not advance or reset the caller's generators."""
     import random

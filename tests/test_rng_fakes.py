@@ -179,3 +179,38 @@ def test_fakes_are_called_as_paddles_real_functions_accept(name, args):
     import inspect
 
     inspect.signature(getattr(paddle, name)).bind(*args)
+
+
+class Paddle26Tracker:
+    """fleet's RNG tracker as Paddle 2.6 has it: ``set_states_tracker`` *keeps* the dict it
+    is given, and ``rng_state`` writes each advanced state back into that dict."""
+
+    def __init__(self):
+        self.states_ = {"model_parallel_rng": 7}
+
+    def get_states_tracker(self):
+        return dict(self.states_)
+
+    def set_states_tracker(self, states):
+        self.states_ = states
+
+    def draw(self):  # `with tracker.rng_state(): dropout(...)`: use, advance, write back
+        value = self.states_["model_parallel_rng"]
+        self.states_["model_parallel_rng"] = value + 1
+        return value
+
+
+def test_a_snapshot_replays_the_same_tracker_state_every_time(monkeypatch):
+    """Replaying handed 2.6's tracker the snapshot's own dict, so the first replay advanced
+    the snapshot and a second one (backward after retain_graph=True) drew other masks."""
+    tracker = Paddle26Tracker()
+    monkeypatch.setattr(rng, "_tracker", lambda: tracker)
+    snap = rng.capture()
+    first = tracker.draw()  # the forward
+    replays = []
+    for _ in range(3):
+        with snap.restored():
+            replays.append(tracker.draw())
+    assert replays == [first] * 3
+    assert snap.tracker == {"model_parallel_rng": 7}
+    assert tracker.states_ == {"model_parallel_rng": 8}  # the caller's state is back

@@ -9,9 +9,10 @@ Where things are:
 * :mod:`.reentrant` -- ``use_reentrant=True``: Paddle's PyLayer scheme with
   parameter arguments routed around the PyLayer;
 * :mod:`.rng`, :mod:`.amp` -- capture in forward, replay in recomputation;
-* :mod:`.saved_hooks` -- a stack of saved-tensor hook pairs (nesting) and the
-  Paddle 2.6 ``save_for_backward(..., None)`` shim;
-* :mod:`.tensors` -- small helpers shared by both implementations.
+* :mod:`.saved_hooks` -- per-thread stacks of saved-tensor hook pairs (threads,
+  nesting) and ``save_for_backward`` of non-tensor objects;
+* :mod:`.tensors` -- small helpers shared by both implementations;
+* :mod:`.to_static` -- recompute under ``paddle.jit.to_static`` runs as dygraph.
 """
 from ..errors import RecomputeError
 from .api import recompute

@@ -1,11 +1,11 @@
 """The public entry point, :func:`recompute`, and the trampoline Paddle's ``recompute`` runs."""
 from __future__ import annotations
 
-import os
-
+from .. import env
 from .._compat import paddle, tracer
 from .non_reentrant import recompute_non_reentrant
 from .reentrant import recompute_reentrant
+from . import to_static  # noqa: F401  (registers our files with to_static's SOT)
 
 __all__ = ["recompute", "DETERMINISM_CHECKS", "ENV_DETERMINISM_CHECK"]
 
@@ -16,14 +16,16 @@ ENV_DETERMINISM_CHECK = "PADDLE_MGRAD_DETERMINISM_CHECK"
 
 
 def determinism_check_mode(value=None):
-    """The determinism check to run: ``value``, else ``$PADDLE_MGRAD_DETERMINISM_CHECK``, else
-    ``"shapes"``; a bad value is a ValueError naming where it came from."""
-    source = "determinism_check"
+    """The determinism check to run: ``value``, else ``$PADDLE_MGRAD_DETERMINISM_CHECK``
+    (through :func:`paddle_mgrad.env.get`, which validates it: an
+    :class:`~paddle_mgrad.errors.EnvError` naming the variable), else ``"shapes"``; a bad
+    ``value`` is a ValueError."""
     if value is None:
-        value, source = os.environ.get(ENV_DETERMINISM_CHECK) or "shapes", ENV_DETERMINISM_CHECK
+        return env.get(ENV_DETERMINISM_CHECK)
     mode = {"default": "shapes"}.get(str(value).strip().lower(), str(value).strip().lower())
     if mode not in DETERMINISM_CHECKS:
-        raise ValueError(f"{source}={value!r}: expected one of {', '.join(DETERMINISM_CHECKS)}")
+        raise ValueError(f"determinism_check={value!r}: expected one of "
+                         f"{', '.join(DETERMINISM_CHECKS)}")
     return mode
 
 

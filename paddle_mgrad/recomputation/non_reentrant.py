@@ -205,8 +205,9 @@ def _value_problems(prints, recomputed):
 def recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check="shapes"):
     """Run ``function`` under hooks that drop activations and keep parameters."""
     stats.bump(stats.recompute, "non_reentrant")
-    _hooks.install_none_shim()
+    _hooks.install_save_shim()
     _errors.install()
-    frame = _Frame(function, args, kwargs, preserve_rng_state, check)
-    with _hooks.hooks(frame.pack, frame.unpack):
-        return function(*args, **kwargs)
+    with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py
+        frame = _Frame(function, args, kwargs, preserve_rng_state, check)
+        with _hooks.hooks(frame.pack, frame.unpack):
+            return function(*args, **kwargs)

@@ -152,11 +152,11 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
         ctx.kwargs = kwargs
         ctx.layout = layout
         ctx.stash = stash
-        ctx.rng = _rng.capture() if preserve_rng_state else None
         ctx.amp = _amp.capture()
         ctx.n_anchor = len(tensors) - n_tensors
         tensors = tensors[:n_tensors]
-        with paddle.no_grad():
+        with _rng.exclusive(preserve_rng_state), paddle.no_grad():  # see rng.py
+            ctx.rng = _rng.capture() if preserve_rng_state else None
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
         # determinism check: "shapes" compares the outputs' shapes/dtypes, "values" also
         # their fingerprints, "none" nothing

@@ -9,11 +9,22 @@ CPU, GPU, XPU and custom devices; Paddle 2.6's non-reentrant recompute raises
 * fleet's model-parallel RNG tracker (``get_rng_state_tracker``),
 * numpy's and Python's global generators (as Paddle 3.x does),
 * the user-registered custom state of Paddle 3.x's ``custom_state_manager``.
+
+These generators are process-wide.  With recompute running in several Python
+threads, one thread's random ops could draw between another thread's capture
+and its dropout (or during its replay), so recomputation replayed other masks
+than the forward used: silently wrong gradients.  A process-wide lock is held
+from the capture to the end of the block's forward and during each replay
+(:func:`exclusive`, :func:`replayed`), so recompute blocks of different threads
+never interleave their random draws (uncontended in a single thread).  Random
+ops *outside* recompute in other threads still share the generators, as in
+Paddle.
 """
 from __future__ import annotations
 
 import contextlib
 import random
+import threading
 
 import numpy as np
 
@@ -76,7 +87,10 @@ class RNGState:
             paddle.set_rng_state(self.device_state)
         elif self.device_kind == "custom":
             paddle.set_rng_state(self.device_state, self.device)
-        _tracker().set_states_tracker(self.tracker)
+        # a copy: Paddle 2.6's tracker keeps the dict it is given and writes each
+        # advanced state back into it, which would advance this snapshot and give a
+        # second replay (retain_graph=True) other dropout masks
+        _tracker().set_states_tracker(dict(self.tracker))
         np.random.set_state(self.numpy)
         random.setstate(self.python)
         if self._custom_set is not None and self.custom is not None:
@@ -93,10 +107,23 @@ class RNGState:
             current._apply()
 
 
+_lock = threading.RLock()  # see the module docstring
+
+
 def capture() -> RNGState:
     return RNGState()
 
 
+def exclusive(active: bool = True):
+    """Hold the RNG lock (capture and forward of a block that preserves RNG state)."""
+    return _lock if active else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
 def replayed(state):
-    """``state.restored()``, or a no-op context when no state was captured."""
-    return state.restored() if state is not None else contextlib.nullcontext()
+    """``state.restored()`` under the RNG lock, or nothing when no state was captured."""
+    if state is None:
+        yield
+        return
+    with _lock, state.restored():
+        yield

@@ -65,9 +65,13 @@ def buffer_sharing_tensor(t):
 
 
 # -- value fingerprints (determinism_check="values") ---------------------------
-FINGERPRINT_FIELDS = ("sum", "sum of squares", "position-weighted sample sum")
+FINGERPRINT_FIELDS = ("sum", "sum of squares", "position-weighted sample sum",
+                      "non-finite pattern of the sample")
 _SAMPLE = 1024  # elements in the strided sample
 _weights: dict = {}  # (place, n) -> 1..n as float32 (tiny, shared)
+# stand-ins for the non-finite values of the sample (field 3): distinct, finite, and
+# far from each other so that a NaN appearing or an inf changing sign moves the sum
+_NAN, _POSINF, _NEGINF = 3.0, 5.0, -7.0
 
 
 def _sample_weights(n, place):
@@ -79,13 +83,17 @@ def _sample_weights(n, place):
 
 
 def fingerprint(t):
-    """A cheap fingerprint of ``t``'s values: a float64 tensor of 3 numbers (see
+    """A cheap fingerprint of ``t``'s values: a float64 tensor of 4 numbers (see
     :data:`FINGERPRINT_FIELDS`), computed on ``t``'s device without a host sync.
 
-    One reduction (sum), one BLAS dot product (sum of squares: no temporary) and a
+    One reduction (sum), one BLAS dot product (sum of squares: no temporary), a
     position-weighted sum of a strided sample of at most 1024 elements (catches
-    permutations the sums miss).  Non-float32/64 tensors are cast to float32 first
-    (a copy).  Returns None for tensors it cannot fingerprint (complex)."""
+    permutations the sums miss), and the same weighted sum of the sample with
+    NaN, +inf and -inf replaced by distinct finite stand-ins (the sums of a tensor
+    that legitimately holds them are NaN or +-inf in the forward and in
+    recomputation alike; this field still sees which sampled element is which).
+    Non-float32/64 tensors are cast to float32 first (a copy).  Returns None for
+    tensors it cannot fingerprint (complex)."""
     if t is None or "complex" in str(t.dtype):
         return None
     # no grad (nothing is saved: the pack hooks are not re-entered), no AMP (the sums stay
@@ -95,22 +103,29 @@ def fingerprint(t):
         flat = x.reshape([-1])
         n = flat.shape[0]
         if n == 0:
-            return paddle.zeros([3], dtype="float64")
+            return paddle.zeros([len(FINGERPRINT_FIELDS)], dtype="float64")
         step = max(1, n // _SAMPLE)
         sample = flat[::step][:_SAMPLE]
         w = _sample_weights(sample.shape[0], flat.place).astype(flat.dtype)
-        parts = [flat.sum(), paddle.matmul(flat, flat), paddle.matmul(sample, w)]
+        finite = paddle.nan_to_num(sample, nan=_NAN, posinf=_POSINF, neginf=_NEGINF)
+        finite = paddle.where(paddle.isfinite(sample), paddle.zeros_like(sample), finite)
+        parts = [flat.sum(), paddle.matmul(flat, flat), paddle.matmul(sample, w),
+                 paddle.matmul(finite, w)]
         return paddle.stack([p.reshape([]) for p in parts]).astype("float64")
 
 
 def fingerprint_mismatch(forward, recomputed, rtol=1e-5):
-    """First field where two fingerprints (numpy float64 [3]) differ, or None.
+    """First field where two fingerprints (numpy float64) differ, or None.
 
-    Equal up to ``rtol`` relative to the larger magnitude (GPU reductions may
-    differ in the last bits between runs); NaN equals NaN."""
+    Finite fields are equal up to ``rtol`` relative to the larger magnitude (GPU
+    reductions may differ in the last bits between runs).  A non-finite field
+    (a tensor holding +-inf or NaN, or a sum of squares that overflowed: values
+    near 1e20 in fp32) equals only the same value: inf equals inf of the same sign,
+    NaN equals NaN -- never "inf - inf" -- and never a finite number."""
     for i, (a, b) in enumerate(zip(forward, recomputed)):
-        if np.isnan(a) and np.isnan(b):
-            continue
-        if not abs(a - b) <= rtol * max(abs(a), abs(b)):
+        if np.isfinite(a) and np.isfinite(b):
+            if not abs(a - b) <= rtol * max(abs(a), abs(b)):
+                return i
+        elif not (a == b or (np.isnan(a) and np.isnan(b))):
             return i
     return None
