@@ -12,8 +12,6 @@ Needs PaddleNLP 2.8.1 (``nox -s fleet``).  Paddle's missing CPU pieces are stood
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -21,47 +19,15 @@ import pytest
 pytest.importorskip("paddlenlp")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 DRIVER = os.path.join(HERE, "train_hybrid.py")
 sys.path.insert(0, HERE)
+from launching import launch_two_ranks, run  # noqa: E402
 from train_hybrid import ACC, STEPS  # noqa: E402
 
 TIMEOUT = int(os.environ.get("PADDLE_MGRAD_DIST_TIMEOUT", "420"))
 TOL = 1e-5
 LAYERS = 2  # decoder layers of the tiny llama
 COLUMN_LINEARS = 5  # q, k, v, gate, up per decoder layer
-
-
-def _env():
-    # paddle_mgrad as the test process sees it (installed, or PYTHONPATH=<worktree>)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _logs(out):
-    text = ""
-    log_dir = os.path.join(out, "log")
-    if os.path.isdir(log_dir):
-        for name in sorted(n for n in os.listdir(log_dir) if n.startswith("workerlog")):
-            with open(os.path.join(log_dir, name), errors="replace") as f:
-                text += f"\n--- {name} (last 4000 chars)\n" + f.read()[-4000:]
-    return text
-
-
-def _run(cmd, out, what):
-    """Run ``cmd`` in its own process group; on timeout kill that group (the launcher's
-    rank processes too) and fail with the rank logs."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), cwd=ROOT, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{what} timed out after {TIMEOUT}s{_logs(out)}\n--- launcher (last 3000)\n"
-                    f"{output[-3000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{what} exited {proc.returncode}{_logs(out)}\n--- launcher (last 3000)\n"
-                    f"{output[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +37,7 @@ def reference(tmp_path_factory):
     def get(kind):
         if kind not in cache:
             out = str(tmp_path_factory.mktemp(kind))
-            _run([sys.executable, DRIVER, "--config", kind, "--out", out], out, kind)
+            run([sys.executable, DRIVER, "--config", kind, "--out", out], out, kind, TIMEOUT)
             cache[kind] = out
         return cache[kind]
 
@@ -79,18 +45,7 @@ def reference(tmp_path_factory):
 
 
 def launch(tmp_path, config, ref):
-    out = str(tmp_path / config)
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-           os.path.join(out, "log"), "--nproc_per_node", "2", DRIVER, "--config", config,
-           "--out", out, "--ref", ref]
-    _run(cmd, out, f"{config} (2 ranks)")
-    results = []
-    for rank in (0, 1):
-        path = os.path.join(out, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote no result{_logs(out)}"
-        with open(path) as f:
-            results.append(json.load(f))
-    return results
+    return launch_two_ranks(DRIVER, config, str(tmp_path / config), ref, TIMEOUT)
 
 
 MICRO = ACC * STEPS

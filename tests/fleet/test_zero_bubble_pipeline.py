@@ -11,16 +11,14 @@ DualPipeV (asserted, then skipped).
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 DRIVER = os.path.join(HERE, "train_dualpipev.py")
 sys.path.insert(0, HERE)
+from launching import launch_two_ranks, run  # noqa: E402
 from train_dualpipev import ACC, CONFIGS, N_BLOCKS, STEPS  # noqa: E402
 
 
@@ -50,54 +48,20 @@ WEIGHTS_PER_RANK = 4  # 2 blocks x (fc1, fc2)
 BLOCKS = {0: ["0", "3"], 1: ["1", "2"]}  # the V: rank 0 holds the first and the last block
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _logs(out):
-    text = ""
-    log_dir = os.path.join(out, "log")
-    if os.path.isdir(log_dir):
-        for name in sorted(n for n in os.listdir(log_dir) if n.startswith("workerlog")):
-            with open(os.path.join(log_dir, name), errors="replace") as f:
-                text += f"\n--- {name} (last 4000 chars)\n" + f.read()[-4000:]
-    return text
-
-
-def _run(cmd, out, what):
-    """Run ``cmd`` in its own process group; on timeout kill that group (the ranks too)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), cwd=ROOT, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{what} timed out after {TIMEOUT}s{_logs(out)}\n--- launcher\n{output[-3000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{what} exited {proc.returncode}{_logs(out)}\n--- launcher\n{output[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ref"))
-    _run([sys.executable, DRIVER, "--config", "ref", "--out", out], out, "ref")
+    run([sys.executable, DRIVER, "--config", "ref", "--out", out], out, "ref", TIMEOUT)
     return out
 
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c != "ref"])
 def test_dualpipev_two_ranks_match_one_process(config, reference, tmp_path):
     out = str(tmp_path / config)
-    _run([sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-          os.path.join(out, "log"), "--nproc_per_node", "2", DRIVER, "--config", config,
-          "--out", out, "--ref", reference], out, f"{config} (2 ranks)")
+    results = launch_two_ranks(DRIVER, config, out, reference, TIMEOUT)
     on, use_reentrant = CONFIGS[config]
     micro = ACC * STEPS
-    for rank in (0, 1):
-        path = os.path.join(out, f"rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote no result{_logs(out)}"
-        with open(path) as f:
-            r = json.load(f)
+    for rank, r in enumerate(results):
         where = f"{config} rank {rank}"
         print(where, json.dumps({k: r[k] for k in ("loss_diff", "grad_diff", "deferred",
                                                    "linear", "recompute")}))
