@@ -105,7 +105,8 @@ def fleet(session, paddle):
     """Fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP, TP2+mp_async_allreduce,
     TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter (3.x, with and without
     the fused op), sharding stage1, PP2, PP2 with recompute_interval)
-    against a one-process run, PaddleNLP 2.8.1's tiny llama."""
+    against a one-process run, PaddleNLP 2.8.1's tiny llama; and Paddle 3.x's zero-bubble
+    DualPipeV schedule (deferred weight gradients through our op) against a one-process run."""
     _install(session, paddle, NLP_PINS)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet", *session.posargs,
                 env=ENV)
