@@ -160,14 +160,42 @@ UPDATED = {
          "shell, not through its `load()`) into",
          "issue 15: our own `setup.py build` subprocess (Paddle's `load()` runs `cd <dir> && ...` "
          "unquoted, which breaks on a space)"),
+    "`ops.cpu_info()` how bf16 runs on this CPU (`PADDLE_MGRAD_CPU_BF16":
+        ("`ops.cpu_info()` how bf16 runs on this CPU (`isa`, `native_bf16`, `bf16_path`, "
+         "`bf16_exact_fallbacks`: how-it-works.md) (`PADDLE_MGRAD_CPU_BF16",
+         "issue 15: cpu_info() gained native_bf16 (oneDNN's ISA cap) and bf16_exact_fallbacks"),
     "the widen path keeps a per-thread workspace of up to 64 MiB,":
-        ("the widen path keeps a per-thread workspace, 64 MiB or one 256-row chunk if that is more "
-         "(limits.md),", "at least 256 rows per chunk: more than 64 MiB when K+N > 65536"),
-    "bf16/fp16 inputs are widened through a per-thread workspace of up to 64 MiB that stays "
-    "allocated for the life of the thread":
-        ("bf16/fp16 inputs are widened through a per-thread workspace of 64 MiB, or of one 256-row "
-         "chunk (256·(K+N)·4 bytes) where that is more, that stays allocated for the life of the "
-         "thread", "at least 256 rows per chunk: e.g. 129 MiB for a 4096×128256 output layer"),
+        ("the widen path keeps per-thread buffers for the life of the thread, ~80 MiB at 4096³ "
+         "with oneDNN's own (limits.md),",
+         "measured (benchmarks/mem_widen_workspace.py): 64 MiB workspace + ~15 MiB of oneDNN's at "
+         "4096³, more than 64 MiB of ours when K+N > 65536 or with multi_precision=False"),
+    "forces the portable fp64 micro-kernel). bf16/fp16 inputs are read exactly":
+        ("forces the portable fp64 micro-kernel). Its results are IEEE fp32 with gradual underflow "
+         "on every CPU path, also where the CPU's native bf16 instructions flush subnormals "
+         "(how-it-works.md): bf16/fp16 inputs are read exactly",
+         "issue 15: native bf16 hardware flushes subnormals; the exactness pass widens those calls"),
+    "On CPUs without native bf16, bf16/fp16 inputs are widened through a per-thread workspace of "
+    "up to 64 MiB that stays allocated for the life of the thread (`PADDLE_MGRAD_CPU_CHUNK_ROWS` "
+    "makes it smaller, at some speed).":
+        ("**Memory kept per calling thread, for the life of the thread.** bf16/fp16 inputs on the "
+         "widen path (bf16 on CPUs without native bf16 or with `PADDLE_MGRAD_CPU_BF16=widen`, all "
+         "fp16 input, and native calls the exactness pass widens) are widened through a per-thread "
+         "workspace of `rows·(K+N)·4` bytes, `rows = min(M, max(256, 64 MiB / ((K+N)·4)))`, split "
+         "into equal chunks: 64 MiB at 4096³, never more than the inputs widened to fp32, and more "
+         "than 64 MiB when K+N > 65536 (the 256-row minimum: e.g. 129 MiB for a 4096×128256 output "
+         "layer, a 128k vocabulary). `PADDLE_MGRAD_CPU_CHUNK_ROWS=n` sets the rows (smaller: less "
+         "memory, at some speed).",
+         "the workspace is min(M, max(256, budget rows)) rows: 64 MiB at 4096³, less for small M, "
+         "more when K+N > 65536; fp16 and exactness-widened native calls use it too"),
+    "bf16 runs oneDNN's `dnnl_gemm_bf16bf16f32` when cpuid shows avx512_bf16 or AMX-BF16,":
+        ("bf16 runs oneDNN's `dnnl_gemm_bf16bf16f32` when the CPU has avx512_bf16 or AMX-BF16, "
+         "oneDNN will use them and the exactness pass allows it (bf16 on the CPU),",
+         "issue 15: ONEDNN_MAX_CPU_ISA can cap oneDNN; calls that could meet a subnormal are widened"),
+    "`saved_hooks.py` the nestable hook stack and the Paddle 2.6 `save_for_backward(None)` shim;":
+        ("`saved_hooks.py` the per-thread hook stacks behind one dispatcher (`_Epoch`), the "
+         "pass-through for other threads, the Paddle 2.6 ownership of packed values, and the "
+         "`save_for_backward` shim for any Python object;",
+         "issues 15 and 17: hooks per thread; the shim takes any object on both versions"),
     "(≤ 64 MiB per thread that calls the op with bf16/fp16 inputs;":
         ("(64 MiB per thread that calls the op with bf16/fp16 inputs, more when 256 rows need more;",
          "at least 256 rows per chunk"),
