@@ -274,3 +274,22 @@ def test_lm_head_function_fails_in_plain_paddle_under_recompute():
     with pytest.raises(ValueError, match=PADDLE_REFUSES):
         native_recompute(lambda t: LMHeadFunction.apply(t * 1.0, weight, True), x,
                          use_reentrant=False, preserve_rng_state=False)
+
+
+# ------------------------------------------------------------------ a list of tensors
+def test_list_of_tensors_under_non_reentrant_recompute_no_signal():
+    """``ctx.save_for_backward(x, [a, b])`` under non-reentrant recompute: Paddle's own unpack
+    of the list segfaults the process (3.3.1, checked by hand; 2.6.2 first refuses CPU RNG);
+    with paddle_mgrad the list is flattened and the gradients equal a run without recompute
+    (non-reentrant and reentrant).  In a subprocess: a crash must show as a failed test."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(here)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, os.path.join(here, "list_save_probe.py"), "ours"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])  # < 0: killed by a signal
+    assert "OURS OK" in r.stdout, r.stdout + r.stderr[-3000:]
