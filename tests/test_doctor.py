@@ -239,13 +239,29 @@ def test_bad_env_values(tmp_path):
         "(default) or python  ->  fix: export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"]
 
 
-def test_pth_missing_while_variable_set(tmp_path):
-    """PADDLE_MGRAD set where the .pth is not installed: the variable does nothing -- a problem."""
-    r, d = run_doctor(tmp_path, "--json", PADDLE_MGRAD="recompute", PMG_TEST_PTH_DIR=None)
-    assert r.returncode == 1
-    (p,) = d["problems"]
-    assert p["area"] == "switch on" and "does nothing here" in p["problem"]
+def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
+    """PADDLE_MGRAD set where the .pth is not installed: the variable does nothing -- a problem.
+
+    In process, with the site-packages list pointed at an empty directory: where the suite runs
+    against a pip-installed paddle_mgrad (nox) the real site-packages *has* the .pth, so a
+    doctor subprocess cannot see it missing there."""
+    from paddle_mgrad import doctor
+
+    empty = tmp_path / "site-packages"
+    empty.mkdir()
+    monkeypatch.setattr(doctor, "_site_dirs", lambda: [str(empty)])
+    monkeypatch.delitem(sys.modules, "paddle_mgrad_autoload", raising=False)
+    sw = doctor._switching_on({"PADDLE_MGRAD": "recompute"})
+    assert sw["pth"] == [] and not sw["autoload_ran_in_this_process"]
+    found = [p for p in doctor.diagnose({"switch": sw}) if p["area"] == "switch on"]
+    assert len(found) == 1, found
+    (p,) = found
+    assert "does nothing here" in p["problem"] and str(empty) in p["problem"]
     assert "pip install" in p["fix"] and "paddle_mgrad.enable()" in p["fix"]
+    # the .pth in that directory: no problem
+    shutil.copy(os.path.join(ROOT, "paddle_mgrad_autoload.pth"), empty)
+    sw = doctor._switching_on({"PADDLE_MGRAD": "recompute"})
+    assert [p for p in doctor.diagnose({"switch": sw}) if p["area"] == "switch on"] == []
 
 
 @pytest.mark.parametrize("how,expect", [
