@@ -65,7 +65,7 @@ _build._compile = _fake_compile
 
 
 def good_build():
-    """(root, key, key_dir) of the verified CPU build this process loaded (building it once into
+    """(root, key, key_dir) of the verified build this process loaded (building it once into
     the suite's cache when needed)."""
     from paddle_mgrad import ops
     from paddle_mgrad.ops import _build
@@ -74,7 +74,8 @@ def good_build():
     assert module is not None, f"the op did not build here: {ops.fallback_reason()}"
     lib = _build.library_path(module)
     key_dir = os.path.dirname(os.path.dirname(lib))
-    assert os.path.basename(key_dir) == _build.build_key(False), key_dir
+    # the key of what this Paddle builds: CPU-only, or +CUDA on a CUDA wheel (nox -s gpu_wheel)
+    assert os.path.basename(key_dir) == _build.build_key(), key_dir
     return os.path.dirname(key_dir), os.path.basename(key_dir), key_dir
 
 

@@ -65,14 +65,14 @@ def test_empty_library_heals_once_with_the_real_compiler_in_a_path_with_a_space(
     assert "paddle_mgrad: recompute, fused_linear on (op: cpp-" in done[1].stdout
     compiled = [p.stdout for p in done if COMPILING in p.stdout]
     assert len(compiled) == 1 and "(rebuilding: truncated: 0 of" in compiled[0], compiled
-    key = _build.build_key(False)
+    key = _build.build_key()
     assert sorted(os.listdir(cache)) == [key, f"{key}.lock"]
     info = json.load(open(cache / key / ".complete"))
     lib = library_in(str(cache / key))
     assert info["key"] == key and info["library"] == os.path.relpath(lib, cache / key)
     assert info["size"] == os.path.getsize(lib) > 0
     assert info["sha256"] == hashlib.sha256(open(lib, "rb").read()).hexdigest()
-    assert info["paddle_version"] == paddle.__version__ and info["cuda"] is False
+    assert info["paddle_version"] == paddle.__version__ and info["cuda"] is _build.with_cuda()
     assert info["built_at"]
     for rel, mode in modes(cache).items():
         if os.path.isdir(cache / rel):
@@ -229,7 +229,7 @@ def test_build_killed_half_way_then_restart(tmp_path):
         res = result(second)
         assert res["backend"].startswith("cpp-") and res["correct"] and res["why"] is None, res
         assert not res["warnings"], res
-        key = _build.build_key(False)
+        key = _build.build_key()
         (e,) = [e for e in _build.inspect_cache(str(cache))
                 if e["location"] == "cache" and e["key"] == key and e["problem"] is None]
         assert e["verified"] and res["library"] == library_in(os.path.join(cache, key))
@@ -249,7 +249,7 @@ def test_inspect_cache_reports_every_state_without_loading(tmp_path):
     key = os.path.basename(good)
     (e,) = [e for e in _build.inspect_cache(str(cache)) if e["location"] == "cache"]
     assert e["directory"] == good and e["key"] == key and e["complete"] and e["verified"]
-    assert e["problem"] is None and e["current"] and e["cuda"] is False
+    assert e["problem"] is None and e["current"] and e["cuda"] is _build.with_cuda()
     assert e["size"] == os.path.getsize(library_in(good)) == e["recorded_size"]
     assert e["paddle_version"] == paddle.__version__
     # other states, each in its own key directory (names are any 16 hex digits)
