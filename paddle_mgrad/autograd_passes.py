@@ -71,26 +71,37 @@ def _reuse_message(layer):
 
 
 class NodeGuard:
-    """A gradient hook on the output of one of our PyLayer calls (see module doc)."""
+    """A gradient hook on the outputs of one of our PyLayer calls (see module doc)."""
 
-    __slots__ = ("ptr", "consumed", "layer", "__weakref__")
+    __slots__ = ("ptr", "consumed", "layer", "error", "__weakref__")
 
-    def __init__(self, layer):
+    def __init__(self, layer, error=None):
         self.ptr = None  # the graph node's address, set by GuardedPyLayer.apply
         self.consumed = False
         self.layer = layer
+        self.error = error  # layer -> the exception to raise; None: FusedLinearError
+
+    def reuse_error(self):
+        """The exception for a pass that reaches this already-run node."""
+        if self.error is None:
+            return FusedLinearError(_reuse_message(self.layer))
+        return self.error(self.layer)
 
     def __call__(self, grad):
         if self.consumed and backward_errors.current_pass() is None:
-            err = FusedLinearError(_reuse_message(self.layer))
+            err = self.reuse_error()
             backward_errors.record(err)
             raise err
         return None  # the gradient passes unchanged
 
 
-def stash_guard(ctx):
-    """In a PyLayer's forward: make the node's guard (``ctx.guard``) for ``apply`` to attach."""
-    guard = NodeGuard(type(ctx)._forward_cls.__name__)
+def stash_guard(ctx, layer=None, error=None):
+    """In a PyLayer's forward: make the node's guard (``ctx.guard``) for ``apply`` to attach.
+
+    Call it last in ``forward`` when the forward runs other PyLayers (their ``apply`` takes
+    the pending guard).  ``layer`` names the node in the error (default: the class name);
+    ``error(layer)`` builds the exception (default: :class:`FusedLinearError`)."""
+    guard = NodeGuard(layer or type(ctx)._forward_cls.__name__, error)
     ctx.guard = guard
     _pending.guard = guard
 
@@ -119,11 +130,13 @@ class GuardedPyLayer(paddle.autograd.PyLayer):
         _pending.guard = None
         out = super().apply(*args, **kwargs)
         guard, _pending.guard = getattr(_pending, "guard", None), None
-        if guard is not None and is_tensor(out) and not out.stop_gradient:
-            node = out.grad_fn
-            if node is not None:
-                guard.ptr = node.node_ptr()
-                out._register_grad_hook(guard)
+        if guard is not None:
+            # every differentiable output: a later pass may reach the node through any of them
+            for t in _tensor_list(out):
+                node = None if t.stop_gradient else t.grad_fn
+                if node is not None:
+                    guard.ptr = node.node_ptr()
+                    t._register_grad_hook(guard)
         return out
 
 
@@ -199,7 +212,7 @@ class FunctionalPass:
             ref = _consumed.get(ptr)
             guard = ref() if ref is not None else None
             if guard is not None:
-                raise FusedLinearError(_reuse_message(guard.layer))
+                raise guard.reuse_error()
 
     def slots(self, guard, n):
         """For the node of ``guard`` (``n`` input slots): a tuple, True where Paddle wants

@@ -7,6 +7,11 @@ the assertion fails and tells us.  Paddle's non-reentrant recompute runs with
 ``preserve_rng_state=False`` where the case is not about random state, so that
 Paddle 2.6's CPU RNG refusal does not hide the bug the test is about.
 """
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import paddle
 import pytest
@@ -694,3 +699,39 @@ def test_reentrant_keyword_only_arguments():
     y = paddle_mgrad.recompute(f, x, scale=1.0, bias=b, use_reentrant=False)  # works here
     y.sum().backward()
     np.testing.assert_allclose(b.grad.numpy(), np.full([4], 2.0), rtol=1e-6)
+
+
+def _run_probe(*args):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(here)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    return subprocess.run([sys.executable, os.path.join(here, "reentrant_twice_probe.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_second_backward_through_reentrant_recompute_is_an_error_not_a_crash():
+    """Crash probe (subprocess, no signal): a second ordinary backward through the same
+    reentrant recompute -- retain_graph then backward, backward twice, through another output
+    of the block, paddle.grad after a backward -- with our fused linears inside.  Plain Paddle's
+    reentrant recompute segfaults there (its PyLayer's context is released after the first
+    backward); ours raises RecomputeError naming the cause and use_reentrant=False.  The first
+    backward equals a run without recompute, and a fresh forward/backward afterwards is right."""
+    r = _run_probe("ours")
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])  # < 0: killed by a signal
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    assert set(res) == {"retain_then_backward", "backward_twice", "multi_output",
+                        "retain_then_grad"}
+    for mode, out in res.items():
+        assert out["first_ok"] and out["fresh_ok"] and out["grad_enabled_after"], (mode, out)
+        assert out["error"] == "RecomputeError", (mode, out)
+        assert "recompute(Block, use_reentrant=True)" in out["message"], (mode, out)
+        assert "already ran" in out["message"] and "use_reentrant=False" in out["message"]
+
+
+def test_plain_paddle_reentrant_recompute_crashes_on_a_second_backward():
+    """For the record (why the guard exists): Paddle's own reentrant recompute dies on
+    ``backward(retain_graph=True); backward()`` (SIGSEGV on 3.3.1 and 2.6.2).  If a Paddle
+    release fixes it, this fails and tells us."""
+    r = _run_probe("native", "retain_then_backward")
+    assert r.returncode != 0 and "RESULT " not in r.stdout, (r.returncode, r.stdout[-2000:])

@@ -27,6 +27,7 @@ from .. import stats
 from .._compat import is_parameter, is_tensor, paddle, tracer
 from ..errors import RecomputeError
 from . import amp as _amp
+from .. import autograd_passes
 from .. import backward_errors as _errors
 from . import rng as _rng
 from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
@@ -144,7 +145,21 @@ def _check_outputs(function, forward, recomputed):
         raise err
 
 
-class _ReentrantRecompute(paddle.autograd.PyLayer):
+def _reuse_error(layer):
+    return RecomputeError(
+        f"paddle_mgrad: a backward pass reached {layer} whose backward already ran in an earlier "
+        "backward() (with retain_graph=True, or a second backward() of the same graph). Paddle's "
+        "PyLayer releases its context after its first backward, so running it again crashes the "
+        "process (plain Paddle's reentrant recompute segfaults here); paddle_mgrad stops first. "
+        "Use use_reentrant=False (it supports retain_graph and a second backward), or run the "
+        "forward again before each backward().")
+
+
+class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
+    """Paddle's reentrant recompute as a PyLayer.  A :class:`GuardedPyLayer`: a second
+    ordinary backward through the same node raises :class:`RecomputeError` instead of the
+    segfault Paddle's released context gives (autograd_passes module doc)."""
+
     @staticmethod
     def forward(ctx, run_function, preserve_rng_state, stash, layout, kwargs, check, n_tensors,
                 *tensors):
@@ -169,6 +184,9 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
             if frozen:
                 ctx.mark_non_differentiable(*frozen)
         ctx.save_for_backward(*stash.pack(tensors))
+        # last: the block's own PyLayers (our fused linears) took their guards already
+        autograd_passes.stash_guard(
+            ctx, f"recompute({function_name(run_function)}, use_reentrant=True)", _reuse_error)
         return outputs
 
     @staticmethod
@@ -218,6 +236,8 @@ class _ReentrantRecompute(paddle.autograd.PyLayer):
             paddle.autograd.backward(roots, root_grads)
         result = [None if d.stop_gradient else d._grad_ivar() for d in detached]
         result.extend(paddle.zeros([1]) for _ in range(ctx.n_anchor))
+        if _errors.current_pass() is None:  # paddle.grad runs a copy: the node stays usable
+            autograd_passes.ran(ctx)
         return tuple(result)
 
 
