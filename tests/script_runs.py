@@ -12,9 +12,8 @@ PTH = os.path.join(ROOT, "paddle_mgrad_autoload.pth")
 
 def script_env():
     """This environment without paddle_mgrad's, the test evidence's or a launcher's variables;
-    one thread per rank; faulthandler and glibc's fatal messages on stderr (a rank once died of
-    SIGABRT at exit with nothing in its log, rarely and under CPU load: if it recurs, the log
-    says where)."""
+    one thread per rank; faulthandler and glibc's fatal messages on stderr (a rank sometimes
+    dies of SIGABRT at exit with nothing in its log even so: :func:`launch`)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
@@ -40,9 +39,45 @@ def switch_on(env, tmp_path):
         env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
 
 
+#: what the launcher prints for a rank killed by SIGABRT
+ABORT = "Exit code -6"
+#: what PaddleNLP's/PaddleFormers' Trainer logs when train() returned
+COMPLETED = "Training completed."
+
+
 def launch(argv, out_dir, nproc, env, timeout, cwd):
     """``python argv`` (nproc > 1: through paddle.distributed.launch, logs in out_dir/log).
-    Returns (returncode, the workers' logs then the launcher's output)."""
+    Returns (returncode, the workers' logs then the launcher's output).
+
+    One retry, for one failure only: Paddle 3.3.1's 2-rank gloo runs on CPU sometimes lose a
+    rank to SIGABRT *after* training, at interpreter exit, with nothing in its log (no Python
+    traceback: faulthandler is already off).  Seen in plain runs without paddle_mgrad as well
+    as with it (CI 2026-12-01: the plain run; locally 2 of 21 runs of
+    test_unmodified_script_two_ranks).  When the launcher reports that abort and every rank's
+    log says training completed, the run is repeated once (the aborted one is kept beside it
+    as ``<out_dir>.aborted`` and named in the output); any other failure is returned as is."""
+    rc, out = _launch_once(argv, out_dir, nproc, env, timeout, cwd)
+    if rc != 0 and nproc > 1 and _aborted_after_training(out_dir, out, nproc):
+        kept = out_dir.with_name(out_dir.name + ".aborted")
+        shutil.rmtree(kept, ignore_errors=True)
+        out_dir.rename(kept)
+        rc, out = _launch_once(argv, out_dir, nproc, env, timeout, cwd)
+        out = (f"--- NOTE: the first launch lost a rank to SIGABRT at exit after training "
+               f"completed on every rank (Paddle's teardown); repeated once; first run kept in "
+               f"{kept}\n" + out)
+        print(out.splitlines()[0])
+    return rc, out
+
+
+def _aborted_after_training(out_dir, out, nproc):
+    logs = [out_dir / "log" / f"workerlog.{r}" for r in range(nproc)]
+    if ABORT not in out or not all(log.is_file() for log in logs):
+        return False
+    texts = [log.read_text(errors="replace") for log in logs]
+    return all(COMPLETED in t and "Traceback (most recent call last)" not in t for t in texts)
+
+
+def _launch_once(argv, out_dir, nproc, env, timeout, cwd):
     if nproc > 1:
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
                str(out_dir / "log"), "--nproc_per_node", str(nproc), *argv]

@@ -102,11 +102,19 @@ def test_cache_key_tracks_flags_and_sources(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def aot_site(tmp_path_factory):
-    """``PADDLE_MGRAD_BUILD_OPS=1 pip install --target`` once for the tests that need it."""
-    target = tmp_path_factory.mktemp("aot") / "site"
+    """``PADDLE_MGRAD_BUILD_OPS=1 pip install --target`` once for the tests that need it.
+
+    Installed from a copy of the checkout: setuptools builds in ``<source>/build``, so two
+    suites run at once from one checkout (e.g. both Paddle versions) would collide there."""
+    base = tmp_path_factory.mktemp("aot")
+    source = base / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".nox", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        ".hypothesis"))
+    target = base / "site"
     r = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-         "--target", str(target), ROOT],
+         "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=900,
         env=dict(os.environ, PADDLE_MGRAD_BUILD_OPS="1"))
     assert r.returncode == 0, r.stdout + r.stderr
