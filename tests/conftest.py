@@ -1,5 +1,9 @@
 import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import paddle
 import pytest
@@ -8,6 +12,17 @@ import paddle_mgrad
 from paddle_mgrad._compat import IS_PADDLE_2
 
 PADDLE2 = IS_PADDLE_2
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_probe_script(name, *args, timeout=300):
+    """``python tests/<name> args...`` in a fresh interpreter, this checkout first on
+    PYTHONPATH (crash probes: a signal shows as a negative return code, not a dead suite)."""
+    path = [os.path.dirname(TESTS)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return subprocess.run([sys.executable, os.path.join(TESTS, name), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,6 @@ the assertion fails and tells us.  Paddle's non-reentrant recompute runs with
 Paddle 2.6's CPU RNG refusal does not hide the bug the test is about.
 """
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import paddle
@@ -21,7 +18,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 import paddle_mgrad
 from paddle_mgrad import RecomputeError
 from paddle_mgrad import stats
-from conftest import PADDLE2
+from conftest import PADDLE2, run_probe_script
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 
 
@@ -701,14 +698,6 @@ def test_reentrant_keyword_only_arguments():
     np.testing.assert_allclose(b.grad.numpy(), np.full([4], 2.0), rtol=1e-6)
 
 
-def _run_probe(*args):
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(here)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    return subprocess.run([sys.executable, os.path.join(here, "reentrant_twice_probe.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
-
-
 def test_second_backward_through_reentrant_recompute_is_an_error_not_a_crash():
     """Crash probe (subprocess, no signal): a second ordinary backward through the same
     reentrant recompute -- retain_graph then backward, backward twice, through another output
@@ -716,7 +705,7 @@ def test_second_backward_through_reentrant_recompute_is_an_error_not_a_crash():
     reentrant recompute segfaults there (its PyLayer's context is released after the first
     backward); ours raises RecomputeError naming the cause and use_reentrant=False.  The first
     backward equals a run without recompute, and a fresh forward/backward afterwards is right."""
-    r = _run_probe("ours")
+    r = run_probe_script("reentrant_twice_probe.py", "ours")
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])  # < 0: killed by a signal
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(line[len("RESULT "):])
@@ -733,5 +722,5 @@ def test_plain_paddle_reentrant_recompute_crashes_on_a_second_backward():
     """For the record (why the guard exists): Paddle's own reentrant recompute dies on
     ``backward(retain_graph=True); backward()`` (SIGSEGV on 3.3.1 and 2.6.2).  If a Paddle
     release fixes it, this fails and tells us."""
-    r = _run_probe("native", "retain_then_backward")
+    r = run_probe_script("reentrant_twice_probe.py", "native", "retain_then_backward")
     assert r.returncode != 0 and "RESULT " not in r.stdout, (r.returncode, r.stdout[-2000:])

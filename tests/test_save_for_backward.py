@@ -17,7 +17,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 
 import paddle_mgrad
 from paddle_mgrad import registry
-from conftest import PADDLE2
+from conftest import PADDLE2, run_probe_script
 
 MODES = ["none", "non_reentrant", "reentrant"]
 PADDLE_REFUSES = "save_for_backward only support Tensor, list of Tensor, tuple of Tensor"
@@ -282,14 +282,6 @@ def test_list_of_tensors_under_non_reentrant_recompute_no_signal():
     of the list segfaults the process (3.3.1, checked by hand; 2.6.2 first refuses CPU RNG);
     with paddle_mgrad the list is flattened and the gradients equal a run without recompute
     (non-reentrant and reentrant).  In a subprocess: a crash must show as a failed test."""
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(here)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    r = subprocess.run([sys.executable, os.path.join(here, "list_save_probe.py"), "ours"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = run_probe_script("list_save_probe.py", "ours")
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])  # < 0: killed by a signal
     assert "OURS OK" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -1,27 +1,22 @@
 """tests/script_runs.py's one retry: only a rank lost to SIGABRT after training completed on
 every rank (Paddle 3.3.1's exit-time abort of 2-rank gloo runs) is repeated, once."""
-import os
-import sys
-
 import pytest
 
 from script_runs import launch, script_env
 
 # rank 0 aborts at its first run after "training", like Paddle's teardown abort
 SCRIPT = r"""
-import os, sys
+import os, sys, time
 rank = os.environ.get("PADDLE_TRAINER_ID", "0")
 mode, marker = sys.argv[1], sys.argv[2]
 if mode == "crash_in_training" and rank == "0":
     raise RuntimeError("a real failure")
 if mode == "abort_in_training" and rank == "0":
-    import time
     time.sleep(3)
     os.abort()
 print("\nTraining completed. \n", flush=True)
 if rank == "0" and (mode == "always" or not os.path.exists(marker)):
     open(marker, "w").close()
-    import time
     time.sleep(3)  # rank 1 has finished too, as at the end of a real run
     os.abort()
 """
