@@ -1,6 +1,6 @@
 """``python -m paddle_mgrad <command>`` and the ``paddle-mgrad`` script.
 
-Commands: ``doctor`` (:mod:`paddle_mgrad.doctor`: what runs where, why, whether it works).
+Commands: ``doctor`` (:mod:`paddle_mgrad.diagnostics.doctor`: what runs where, why, whether it works).
 The package's ``__init__`` imports nothing of Paddle for this process (:mod:`paddle_mgrad._cli`).
 """
 import sys
@@ -17,7 +17,7 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] == "doctor":
-        from .doctor import main as doctor
+        from .diagnostics.doctor import main as doctor
 
         return doctor(argv[1:])
     print(f"paddle_mgrad: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)

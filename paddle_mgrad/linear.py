@@ -31,7 +31,8 @@ Holding the parameter costs nothing: the model holds it anyway.
 """
 from __future__ import annotations
 
-from . import autograd_passes, backward_errors, ops, param_hooks, registry, stats
+from .autograd import passes as autograd_passes, backward_errors, param_hooks
+from . import ops, registry, stats
 from ._compat import is_tensor, paddle, tracer
 from .errors import FusedLinearError
 from .registry import original

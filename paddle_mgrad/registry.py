@@ -82,7 +82,7 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         optional=True),
     Replacement(
         "InnerOverlapLinear", "fused_linear", "paddle.distributed.fleet.layers.mpu.mp_layers",
-        "InnerOverlapLinear", "attr", "paddle_mgrad.overlap_linear:replace",
+        "InnerOverlapLinear", "attr", "paddle_mgrad.fleet.overlap_linear:replace",
         "ColumnParallelLinear with mp_async_allreduce (and mp_fused_linear_param_grad_add) runs "
         "this PyLayer, which computes dW/db itself (or needs Paddle's GPU-only op); ours "
         "accumulates them in place into fp32 main_grad through our op, dx all-reduce kept async.",
@@ -90,7 +90,7 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
     Replacement(
         "SPInnerOverlapLinear", "fused_linear",
         "paddle.distributed.fleet.utils.sequence_parallel_utils", "SPInnerOverlapLinear", "attr",
-        "paddle_mgrad.sp_overlap_linear:replace",
+        "paddle_mgrad.fleet.sp_overlap_linear:replace",
         "ColumnSequenceParallelLinear with sp_async_reduce_scatter (Paddle 3.x) runs this "
         "PyLayer, which saves weight/bias with save_for_backward and computes dW/db itself (or "
         "refuses mp_fused_linear_param_grad_add off CUDA/XPU builds); ours accumulates them in "
@@ -99,7 +99,7 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
     Replacement(
         "zero_bubble_grad_weight_fn", "fused_linear",
         "paddle.distributed.fleet.meta_parallel.zero_bubble_utils", "grad_weight_fn", "code",
-        "paddle_mgrad.zero_bubble:_paddle_grad_weight_fn_trampoline",
+        "paddle_mgrad.fleet.zero_bubble:_paddle_grad_weight_fn_trampoline",
         "Zero-bubble pipelines (Paddle 3.x SplitBWMatmul, DualPipeV) defer the weight gradient "
         "to WeightGradStore.pop(), where Paddle's function matmuls into a temporary and then "
         "adds it to main_grad; ours accumulates it in place into fp32 main_grad through our op, "
@@ -112,30 +112,30 @@ REPLACEMENTS: Tuple[Replacement, ...] = (
         optional=True),
     Replacement(
         "Tensor.backward", "support", "paddle", "Tensor.backward",
-        "attr", "paddle_mgrad.backward_errors:wrap",
+        "attr", "paddle_mgrad.autograd.backward_errors:wrap",
         "Paddle's backward engine turns a RecomputeError (recomputation) or FusedLinearError "
         "(fused linear backward) into OSError and leaves grad mode off; the wrapper re-raises "
         "ours and restores grad mode."),
     Replacement(
         "autograd.backward", "support", "paddle.autograd", "backward",
-        "attr", "paddle_mgrad.backward_errors:wrap",
+        "attr", "paddle_mgrad.autograd.backward_errors:wrap",
         "As Tensor.backward, for paddle.autograd.backward."),
     Replacement(
         "grad", "support", "paddle.base.dygraph.base", "grad.__wrapped__",
-        "code", "paddle_mgrad.autograd_passes:_paddle_grad_trampoline",
+        "code", "paddle_mgrad.autograd.passes:_paddle_grad_trampoline",
         "paddle.grad runs a copy of the graph and wants gradients only at the slots that lead "
         "to its inputs, without touching .grad/main_grad (differentiable with create_graph): "
         "the wrapper tells our PyLayers' backward it runs such a functional pass, and refuses "
         "a graph holding a PyLayer node a backward() already ran (Paddle would segfault)."),
     Replacement(
         "Tensor.register_hook", "fused_linear", "paddle", "Tensor.register_hook",
-        "attr", "paddle_mgrad.param_hooks:wrap_register_hook",
+        "attr", "paddle_mgrad.autograd.param_hooks:wrap_register_hook",
         "The fused linear returns None for a weight/bias gradient it accumulated in place, so "
         "a user hook would see None (3.x) or an uninitialized tensor (2.6: heap corruption); "
         "the wrapper counts user hooks so that such parameters get the plain gradient."),
     Replacement(
         "_C_ops.fused_linear_param_grad_add", "fused_linear", "paddle._C_ops",
-        "fused_linear_param_grad_add", "attr", "paddle_mgrad.c_ops:wrap_fused_linear_param_grad_add",
+        "fused_linear_param_grad_add", "attr", "paddle_mgrad.fleet.c_ops:wrap_fused_linear_param_grad_add",
         "Paddle's op has no CPU kernel ('not registered'), so PaddleNLP's own llm/fused_layers.py "
         "and fleet's mp_fused_linear_param_grad_add fail on CPU; CPU tensors run our op, other "
         "places Paddle's kernel. Added where this Paddle has no such attribute.",

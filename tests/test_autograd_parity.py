@@ -353,7 +353,7 @@ def test_parameter_hooks_as_plain_paddle(mode):
 
 
 def test_hook_count_follows_register_and_remove():
-    from paddle_mgrad import param_hooks
+    from paddle_mgrad.autograd import param_hooks
 
     paddle_mgrad.enable(recompute=False, fused_linear=True)
     p = paddle.create_parameter([3], "float32")

@@ -4,7 +4,8 @@ import paddle
 import pytest
 
 import paddle_mgrad
-from paddle_mgrad import c_ops, registry, stats
+from paddle_mgrad import registry, stats
+from paddle_mgrad.fleet import c_ops
 
 KEY = "_C_ops.fused_linear_param_grad_add"
 

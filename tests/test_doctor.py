@@ -16,7 +16,8 @@ import sys
 import paddle
 import pytest
 
-from paddle_mgrad import _cli, doctor, ops
+from paddle_mgrad import _cli, ops
+from paddle_mgrad.diagnostics import doctor
 from paddle_mgrad.ops import _build, build_config
 from conftest import PADDLE2
 
@@ -252,7 +253,7 @@ def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
     In process, with the site-packages list pointed at an empty directory: where the suite runs
     against a pip-installed paddle_mgrad (nox) the real site-packages *has* the .pth, so a
     doctor subprocess cannot see it missing there."""
-    from paddle_mgrad import doctor
+    from paddle_mgrad.diagnostics import doctor
 
     empty = tmp_path / "site-packages"
     empty.mkdir()

@@ -581,7 +581,7 @@ def test_binding_failures_stop_the_flow_where_they_happen(capi):
 # ------------------------------------------------------------------ overlap linears (item 6)
 @pytest.fixture
 def overlap_aid(monkeypatch):
-    from paddle_mgrad import collective_overlap as co
+    from paddle_mgrad.fleet import collective_overlap as co
 
     launches = []
     monkeypatch.setattr(co, "_on_gpu", lambda t: True)
@@ -606,7 +606,7 @@ def test_overlap_aid_warns_once_and_launches_unless_one_connection(monkeypatch, 
 
 
 def test_overlap_aid_is_gpu_only(monkeypatch):
-    from paddle_mgrad import collective_overlap as co
+    from paddle_mgrad.fleet import collective_overlap as co
 
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     launches = []
@@ -615,7 +615,7 @@ def test_overlap_aid_is_gpu_only(monkeypatch):
 
 
 def test_overlapped_backward_lets_the_collective_start_before_dw(monkeypatch, overlap_aid):
-    from paddle_mgrad import overlap_linear as ol
+    from paddle_mgrad.fleet import overlap_linear as ol
 
     co, launches = overlap_aid
     order = []

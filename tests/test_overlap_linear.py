@@ -9,7 +9,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import stats
-from paddle_mgrad.overlap_linear import OverlapLinearWithGradAdd
+from paddle_mgrad.fleet.overlap_linear import OverlapLinearWithGradAdd
 
 
 class _Task:

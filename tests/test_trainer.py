@@ -7,7 +7,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import trainer as T
-from paddle_mgrad.audit import MainGradAudit
+from paddle_mgrad.diagnostics.audit import MainGradAudit
 
 
 def targs(**kw):

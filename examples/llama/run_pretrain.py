@@ -25,7 +25,7 @@ import paddle
 
 import paddle_mgrad
 from paddle_mgrad import stats
-from paddle_mgrad.audit import MainGradAudit
+from paddle_mgrad.diagnostics.audit import MainGradAudit
 from paddle_mgrad.errors import FlagError
 from paddle_mgrad.trainer import MgradArguments, apply
 

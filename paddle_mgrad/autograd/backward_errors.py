@@ -8,13 +8,13 @@ and 3.x alike, leaves grad mode *disabled* after the failed backward.  We
 record a :class:`~paddle_mgrad.RecomputeError` or
 :class:`~paddle_mgrad.FusedLinearError` before raising it, and thin wrappers
 around ``Tensor.backward`` and ``paddle.autograd.backward`` (and, through
-:func:`run`, ``paddle.grad``: :mod:`paddle_mgrad.autograd_passes`) re-raise the
+:func:`run`, ``paddle.grad``: :mod:`paddle_mgrad.autograd.passes`) re-raise the
 recorded error (chained to Paddle's) and switch grad mode back on.
 
 Each wrapper also pushes the kind of pass it starts on a per-thread stack that
 :func:`current_pass` reads: ``None`` for an ordinary ``backward()`` (gradients
 accumulate into ``.grad`` / ``main_grad``), or the
-:class:`~paddle_mgrad.autograd_passes.FunctionalPass` of a ``paddle.grad`` call
+:class:`~paddle_mgrad.autograd.passes.FunctionalPass` of a ``paddle.grad`` call
 (gradients are only returned).  A backward nested in another (Paddle's reentrant
 recompute runs ``paddle.autograd.backward`` inside its PyLayer's backward) pushes
 its own kind and pops it on return.
@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 import threading
 
-from . import registry
-from ._compat import tracer
+from .. import registry
+from .._compat import tracer
 
 _state = threading.local()
 

@@ -18,8 +18,8 @@ Our linears (:class:`~paddle_mgrad.FusedLinearWithGradAdd` and the overlap linea
 
 :func:`grad` (registry entry ``grad``: the code of ``paddle.grad``'s function, so every
 alias runs it) builds a :class:`FunctionalPass` and runs Paddle's ``paddle.grad`` under it
-(:func:`paddle_mgrad.backward_errors.run`; ordinary passes push None).  Our backward asks
-:func:`paddle_mgrad.backward_errors.current_pass`: None -> the fused in-place path; a
+(:func:`paddle_mgrad.autograd.backward_errors.run`; ordinary passes push None).  Our backward asks
+:func:`paddle_mgrad.autograd.backward_errors.current_pass`: None -> the fused in-place path; a
 ``FunctionalPass`` -> :meth:`FunctionalPass.slots` says which of its slots Paddle wants
 (the same rule as ``GeneralGrad``, computed once per pass, lazily, on the original graph:
 ``grad_fn`` / ``next_functions`` / ``node_ptr``), and it returns Paddle-equal plain
@@ -46,9 +46,10 @@ import functools
 import threading
 import weakref
 
-from . import backward_errors, registry
-from ._compat import is_tensor, paddle
-from .errors import FusedLinearError
+from . import backward_errors
+from .. import registry
+from .._compat import is_tensor, paddle
+from ..errors import FusedLinearError
 
 __all__ = ["GuardedPyLayer", "NodeGuard", "FunctionalPass", "stash_guard", "ran", "grad"]
 
@@ -250,7 +251,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
 def _paddle_grad_trampoline(outputs, inputs, grad_outputs=None, retain_graph=None,
                             create_graph=False, only_inputs=True, allow_unused=False,
                             no_grad_vars=None, *, dump_backward_graph_path=None):
-    import paddle_mgrad.autograd_passes as _m
+    import paddle_mgrad.autograd.passes as _m
 
     return _m.grad(outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
                    allow_unused, no_grad_vars, dump_backward_graph_path=dump_backward_graph_path)

@@ -1,6 +1,6 @@
 """The half of ``python -m paddle_mgrad doctor`` that imports Paddle: runs in a subprocess.
 
-The doctor starts this twice (see :mod:`paddle_mgrad.doctor`):
+The doctor starts this twice (see :mod:`paddle_mgrad.diagnostics.doctor`):
 
 * ``paddle``: Paddle's version and CUDA build, the op cache (listed without loading any
   library), and the seed self-test on Paddle's own recompute -- nothing of ours is loaded;
@@ -119,7 +119,7 @@ def step_cache(name="cache"):
 
 def step_selftest(mode):
     emit(f"selftest_{mode}", started=True)
-    from paddle_mgrad import selftest
+    from paddle_mgrad.diagnostics import selftest
 
     emit(f"selftest_{mode}", **selftest.run(mode))
 

@@ -1,8 +1,8 @@
 """The main_grad audit: did every trainable parameter get its gradient in fp32 ``main_grad``?"""
 from __future__ import annotations
 
-from . import stats
-from ._compat import paddle
+from .. import stats
+from .._compat import paddle
 
 __all__ = ["MainGradAudit"]
 

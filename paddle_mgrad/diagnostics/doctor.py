@@ -15,7 +15,7 @@ its fix.  ``--json`` prints the same as one JSON object (CI, bug reports).
 How it stays alive whatever is broken: this process imports no Paddle and nothing that does
 (the package's ``__init__`` skips its imports for the command line, :mod:`paddle_mgrad._cli`;
 the build configuration is loaded by path).  Everything that needs Paddle runs in two
-subprocesses (:mod:`paddle_mgrad._doctor_probe`) with ``PADDLE_MGRAD`` and invalid variables
+subprocesses (:mod:`paddle_mgrad.diagnostics._doctor_probe`) with ``PADDLE_MGRAD`` and invalid variables
 removed: the first imports Paddle, lists the cache (no library is loaded) and runs the seed case
 on plain Paddle; the second loads -- or builds -- the op the way training would, so a corrupt
 cached library kills that subprocess (SIGBUS, reported with the directory to delete), not the
@@ -36,13 +36,13 @@ import sys
 import sysconfig
 import time
 
-from . import __version__
-from . import env as _env
+from .. import __version__
+from .. import env as _env
 from ._doctor_probe import MARK
 
 __all__ = ["main", "collect", "diagnose", "render"]
 
-PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # paddle_mgrad/
 PTH = "paddle_mgrad_autoload.pth"
 TESTED_PADDLE = ("2.6.2", "3.3.1")
 PADDLE_INSTALL = ('pip install paddlepaddle==3.3.1 (CPU; or paddlepaddle==2.6.2 "numpy<2" '
@@ -71,7 +71,7 @@ except BaseException as e:
     say(step="import", failed=(type(e).__name__ + ": " + str(e))[:1500])
     raise SystemExit(3)
 say(step="import", ok=True)
-from paddle_mgrad import _doctor_probe
+from paddle_mgrad.diagnostics import _doctor_probe
 raise SystemExit(_doctor_probe.main(sys.argv[2]))
 """
 

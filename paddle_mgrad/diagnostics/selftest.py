@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from ._compat import paddle
+from .._compat import paddle
 
 __all__ = ["SeedLinear", "run", "reference_main_grads"]
 
@@ -134,7 +134,7 @@ def run(mode: str) -> dict:
     try:
         if mode == "paddle_mgrad":
             import paddle_mgrad
-            from . import stats
+            from .. import stats
 
             before = stats.snapshot()
             paddle_mgrad.enable(recompute=True, fused_linear=True)

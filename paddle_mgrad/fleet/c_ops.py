@@ -13,8 +13,8 @@ _C_ops.fused_linear_param_grad_add`` sees it; a name bound with
 """
 from __future__ import annotations
 
-from . import ops, stats
-from ._compat import is_tensor, paddle
+from .. import ops, stats
+from .._compat import is_tensor, paddle
 
 __all__ = ["wrap_fused_linear_param_grad_add"]
 

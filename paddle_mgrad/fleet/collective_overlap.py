@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ._compat import paddle
+from .._compat import paddle
 
 __all__ = ["let_collective_start"]
 

@@ -32,9 +32,9 @@ Paddle's, with or without this module; ``enable(recompute=True)`` fixes both.
 """
 from __future__ import annotations
 
-from . import ops, stats
-from ._compat import core, is_tensor, paddle
-from .registry import original
+from .. import ops, stats
+from .._compat import core, is_tensor, paddle
+from ..registry import original
 
 __all__ = ["grad_weight_fn"]
 
@@ -96,6 +96,6 @@ def grad_weight_fn(input, weight, out_grad, inplace_update_grad=True):
 def _paddle_grad_weight_fn_trampoline(input, weight, out_grad, inplace_update_grad=True):
     """Becomes the code of Paddle's ``grad_weight_fn`` (registry entry ``zero_bubble_grad_weight_fn``);
     runs in Paddle's module globals, hence the import here."""
-    import paddle_mgrad.zero_bubble as _zb
+    import paddle_mgrad.fleet.zero_bubble as _zb
 
     return _zb.grad_weight_fn(input, weight, out_grad, inplace_update_grad)

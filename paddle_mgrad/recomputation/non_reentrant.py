@@ -42,7 +42,7 @@ from .. import stats
 from .._compat import IS_PADDLE_2, is_parameter, paddle
 from ..errors import RecomputeError
 from . import amp as _amp
-from .. import backward_errors as _errors
+from ..autograd import backward_errors as _errors
 from . import rng as _rng
 from . import saved_hooks as _hooks
 from .tensors import (FINGERPRINT_FIELDS, buffer_sharing_tensor, describe, detached_view,

@@ -27,8 +27,8 @@ from .. import stats
 from .._compat import is_parameter, is_tensor, paddle, tracer
 from ..errors import RecomputeError
 from . import amp as _amp
-from .. import autograd_passes
-from .. import backward_errors as _errors
+from ..autograd import passes as autograd_passes
+from ..autograd import backward_errors as _errors
 from . import rng as _rng
 from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
                       fingerprint_mismatch, function_name, spec)

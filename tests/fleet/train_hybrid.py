@@ -216,7 +216,7 @@ def run_distributed(name, out, ref_dir):
     from paddle.distributed.fleet.utils.mix_precision_utils import (
         MixPrecisionLayer, MixPrecisionOptimizer)
     from paddle_mgrad import stats
-    from paddle_mgrad.audit import MainGradAudit
+    from paddle_mgrad.diagnostics.audit import MainGradAudit
 
     kind, degrees, mp_configs, sp = CONFIGS[name]
     paddle.set_device("cpu")

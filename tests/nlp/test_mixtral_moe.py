@@ -27,7 +27,7 @@ import paddle_mgrad
 import paddlenlp3x_standins as standins
 from paddle_mgrad import autoload, registry, stats
 from paddle_mgrad._compat import IS_PADDLE_2
-from paddle_mgrad.audit import MainGradAudit
+from paddle_mgrad.diagnostics.audit import MainGradAudit
 
 STEPS, ACC, LAYERS, EXPERTS, BATCH, SEQ, VOCAB = 3, 2, 2, 4, 2, 16, 1000
 MICRO = STEPS * ACC

@@ -199,7 +199,7 @@ def _train(net, xs, recompute):
 def test_each_gradient_lands_once_whichever_linear_is_bound(order):
     from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
-    from paddle_mgrad.audit import MainGradAudit
+    from paddle_mgrad.diagnostics.audit import MainGradAudit
 
     fused_layers = _fused_layers()
     paddle.seed(7)

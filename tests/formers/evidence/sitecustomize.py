@@ -5,7 +5,7 @@ from there, not copied), hooked on PaddleFormers' Trainer instead of PaddleNLP's
 * ``PMG_TEST_PTH_DIR``: process that directory as a site dir, so its copy of
   ``paddle_mgrad_autoload.pth`` runs as site-packages' would, at interpreter start.
 * ``PMG_TEST_AUDIT_DIR``: when ``paddleformers.trainer.trainer`` is imported, wrap
-  ``Trainer.train`` to attach ``paddle_mgrad.audit.MainGradAudit`` and write ``audit.<rank>.json``.
+  ``Trainer.train`` to attach ``paddle_mgrad.diagnostics.audit.MainGradAudit`` and write ``audit.<rank>.json``.
 Imports nothing heavy at start: no paddle.
 """
 import importlib.util

@@ -5,7 +5,7 @@ tests/nlp/test_paddlenlp_llm.py; never part of the package).
   tree), process that directory as a site dir so its copy of ``paddle_mgrad_autoload.pth``
   runs exactly as site-packages' would, at interpreter start.
 * ``PMG_TEST_AUDIT_DIR``: when PaddleNLP's ``Trainer`` is imported, wrap ``Trainer.train``
-  to attach ``paddle_mgrad.audit.MainGradAudit`` to the model and write, per process,
+  to attach ``paddle_mgrad.diagnostics.audit.MainGradAudit`` to the model and write, per process,
   ``audit.<rank>.json``: the audit, paddle_mgrad's counters and what is installed.
 * ``PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN``: when PaddleNLP's trainer module is imported, apply
   tests/nlp/cpu_nlp_standins.py's stand-in (PaddleNLP 2.7.x on CPU).
@@ -58,7 +58,7 @@ def _instrument(trainer_module):
         import paddle
 
         from paddle_mgrad import registry, stats
-        from paddle_mgrad.audit import MainGradAudit
+        from paddle_mgrad.diagnostics.audit import MainGradAudit
 
         audit = MainGradAudit(self.model)
         before = stats.snapshot()
