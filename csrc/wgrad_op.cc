@@ -243,6 +243,17 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
   PD_CHECK(x.dtype() == dout.dtype(), "x and dout dtypes differ");
   const int64_t M = leading(xs), K = xs.back(), N = ys.back();
   const pmg::DType in_t = to_pmg(x.dtype(), "x");
+  // With multi_precision a given accumulator must be the multi-precision type itself (the
+  // core also accepts the input dtype, which is the multi_precision=False rule): checked
+  // here, before anything is written, so that this op refuses everything
+  // paddle_mgrad.ops._inputs.check refuses (the Python wrapper's fast path relies on it).
+  if (multi_precision) {
+    const paddle::DataType want = acc_dtype(x.dtype(), true);
+    PD_CHECK(!dweight || dweight->dtype() == want,
+             "dweight must be the multi-precision type when multi_precision=True");
+    PD_CHECK(!(has_bias && dbias) || dbias->dtype() == want,
+             "dbias must be the multi-precision type when multi_precision=True");
+  }
 
   pmg::WgradArgs a;
   a.in_dtype = in_t;

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 from .autograd import passes as autograd_passes, backward_errors, param_hooks
 from . import ops, registry, stats
+from . import _compat
 from ._compat import is_tensor, paddle, tracer
+from paddle import _C_ops
 from .errors import FusedLinearError
 from .registry import original
 
@@ -77,17 +79,9 @@ def _written(p):
         unset()
 
 
-_DTYPE_NAMES: dict = {}  # a dtype's enum value -> its name
-
-
-def _dtname(dtype) -> str:
-    """``ops._dtype_name`` through a cache: ``str()`` of a Paddle dtype costs microseconds
-    (Python-level on 3.x), and the backward asks several times per call."""
-    key = dtype.value
-    name = _DTYPE_NAMES.get(key)
-    if name is None:
-        name = _DTYPE_NAMES[key] = ops._dtype_name(dtype)
-    return name
+# ``ops._dtype_name``: a dtype's name with one cheap lookup (every question to a Paddle dtype
+# object -- str(), ==, hash -- is a pybind call of microseconds; see ops._inputs.dtype_name)
+_dtname = ops._dtype_name
 
 
 def _check_main_grad(p):
@@ -98,11 +92,21 @@ def _check_main_grad(p):
     mg = getattr(p, "main_grad", None)
     if mg is None:
         return
-    want = ops.mp_dtype(_dtname(p.dtype))
+    want = "float64" if _dtname(p.dtype) == "float64" else "float32"  # ops.mp_dtype
     if _dtname(mg.dtype) != want:
         raise FusedLinearError(
             f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
             f"(the master gradient of a {_dtname(p.dtype)} parameter)")
+
+
+def _check_main_grad_dtype(p, p_name, mg_name, mg):
+    """:func:`_check_main_grad` for a ``main_grad`` ``mg`` whose dtype names the caller has
+    (``p_name``: the parameter's, ``mg_name``: ``mg``'s): the same rule, the same error."""
+    want = "float64" if p_name == "float64" else "float32"
+    if mg_name != want:
+        raise FusedLinearError(
+            f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
+            f"(the master gradient of a {p_name} parameter)")
 
 
 def _check_main_grads(weight, bias):
@@ -132,14 +136,14 @@ def _stash_for_backward(ctx, x, weight, bias):
     ctx.x_needs_grad = not x.stop_gradient
 
 
-def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
+def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight, names=None):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle.
 
     Runs in backward: a :class:`FusedLinearError` (say, a ``main_grad`` swapped for one of
     another shape after the forward) is recorded so that it reaches the caller of
     ``backward()`` as itself, not as Paddle's ``OSError`` (:mod:`.backward_errors`)."""
     try:
-        return _fused_grads(x, dy, weight, bias, transpose_weight)
+        return _fused_grads(x, dy, weight, bias, transpose_weight, names)
     except FusedLinearError as e:
         backward_errors.record(e)
         raise
@@ -160,14 +164,18 @@ def _compute_dtypes(x, dy):
     return x, dy.astype(x.dtype)
 
 
-def _input_grad(dy, weight, transpose_weight, x_dtype):
+def _input_grad(dy, weight, transpose_weight, x_dtype, names=None):
     """``dx``: ``dy · Wᵀ`` (``dy · W`` for a transposed ``[N, K]`` weight) in ``dy``'s dtype
     (the weight cast to it, as autocast did in forward), returned in ``x``'s dtype.
-    Differentiable (create_graph)."""
-    dy_name = _dtname(dy.dtype)
-    w = weight if _dtname(weight.dtype) == dy_name else weight.astype(dy.dtype)
-    dx = paddle.matmul(dy, w, transpose_y=not transpose_weight)
-    return dx if dy_name == _dtname(x_dtype) else dx.astype(x_dtype)
+    Differentiable (create_graph).  ``names``: the dtype names of (x, dy, weight) when the
+    caller has them."""
+    if names is None:
+        names = (_dtname(x_dtype), _dtname(dy.dtype), _dtname(weight.dtype))
+    x_name, dy_name, w_name = names
+    w = weight if w_name == dy_name else weight.astype(dy.dtype)
+    # paddle.matmul in dynamic mode (a backward always is), without its Python frame
+    dx = _C_ops.matmul(dy, w, False, not transpose_weight)
+    return dx if dy_name == x_name else dx.astype(x_dtype)
 
 
 def _plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
@@ -194,13 +202,19 @@ def _plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
     return dw, db
 
 
-def _fused_grads(x, dy, weight, bias, transpose_weight):
+def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
         return None, None
-    x, dy = _compute_dtypes(x, dy)
-    x_name = _dtname(x.dtype)
-    mp_name = ops.mp_dtype(x_name)  # the accumulator dtype with multi_precision
+    # Each dtype is asked once (every question to a Paddle dtype is a pybind call); ``names``:
+    # those of (x, dy, weight) when the caller has them.
+    if names is None:
+        names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
+    x_name, dy_name, w_name = names
+    if x_name != dy_name:  # autocast (O1): see _compute_dtypes
+        x, dy = _compute_dtypes(x, dy)
+        x_name = _dtname(x.dtype)
+    mp_name = "float64" if x_name == "float64" else "float32"  # ops.mp_dtype(x_name)
     w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
     b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
     w_acc_name = _dtname(w_acc.dtype) if w_acc is not None else None
@@ -210,45 +224,50 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
         # gradient instead, which Paddle adds to .grad itself.
         w_acc = w_acc_name = None
         w_kind = "fresh"
-    if w_kind == "main_grad":
-        _check_main_grad(weight)
-    if b_kind == "main_grad":
+    if w_kind == "main_grad" and w_acc is not None:
+        _check_main_grad_dtype(weight, w_name, w_acc_name, w_acc)
+    if b_kind == "main_grad" and b_acc is not None:
         _check_main_grad(bias)
     # multi-precision accumulators whenever the destination is main_grad or a .grad of that
     # dtype, or the parameter itself has it (float32 for float32/bf16/fp16 inputs)
-    mp = w_kind == "main_grad" or w_acc_name == mp_name or _dtname(weight.dtype) == mp_name
+    mp = w_kind == "main_grad" or w_acc_name == mp_name or w_name == mp_name
 
     dw = db = None
     if want_w:
         if transpose_weight:  # weight [N, K]: dW = dyᵀ · x
-            dw, _ = ops.fused_linear_param_grad_add(dy, x, w_acc, None, mp, False)
+            dw, _ = ops.accumulate_checked(dy, x, w_acc, None, mp, False, x_name)
         else:
             # The bias rides along in the same op call when its accumulator can be the
             # multi-precision type (main_grad or fresh) and the weight's is that type too.
             fuse_bias = want_b and b_kind != "grad" and w_acc_name in (None, mp_name)
-            dw, db = ops.fused_linear_param_grad_add(
-                x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias)
+            dw, db = ops.accumulate_checked(
+                x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias,
+                x_name)
     if want_b and db is None:
         db = dy.reshape([-1, dy.shape[-1]]).astype(mp_name).sum(axis=0)
         if b_acc is not None:
             b_acc.add_(db.astype(b_acc.dtype))
             db = b_acc
 
-    for p, kind in ((weight, w_kind), (bias, b_kind)):
-        if kind == "grad":
-            _written(p)
-    stats.fused_params.update(p.name for p, want in ((weight, want_w), (bias, want_b)) if want)
+    if w_kind == "grad":
+        _written(weight)
+    if b_kind == "grad":
+        _written(bias)
+    if want_w:
+        stats.fused_params.add(weight.name)
+    if want_b:
+        stats.fused_params.add(bias.name)
     stats.bump(stats.linear, "into_main_grad", (w_kind == "main_grad") + (b_kind == "main_grad"))
     out_w = out_b = None
     if want_w:
         if w_kind == "main_grad":
-            if weight.main_grad is None:
+            if w_acc is None:
                 weight.main_grad = dw  # first micro-step: mp dtype, on the real parameter
         elif w_kind == "fresh":
             out_w = dw if dw.dtype == weight.dtype else dw.astype(weight.dtype)
     if want_b:
         if b_kind == "main_grad":
-            if bias.main_grad is None:
+            if b_acc is None:
                 bias.main_grad = db if _dtname(db.dtype) == mp_name else db.astype(mp_name)
         elif b_kind == "fresh":
             out_b = db if db.dtype == bias.dtype else db.astype(bias.dtype)
@@ -268,6 +287,19 @@ def functional_grads(ctx, x, dy, fpass, dx_fn):
     return (dx, dw) if bias is None else (dx, dw, db)
 
 
+def _paddle_linear(x, weight, bias):
+    """``y = x·W + b`` exactly as ``paddle.nn.functional.linear`` computes it in dynamic mode.
+
+    On Paddle 2.6, and on 3.x built without CUDA, that function is ``_C_ops.linear`` after
+    Python-level checks that cannot fail here (3.x also reads ``FLAGS_use_legacy_linear``
+    through ``paddle.get_flags``, ~30 us, whose value matters only with CUDA): call the op
+    itself.  A CUDA build of 3.x picks its kernel by that flag, so there it is Paddle's
+    function, flags and all."""
+    if _compat.IS_PADDLE_2 or not paddle.is_compiled_with_cuda():
+        return _C_ops.linear(x, weight, bias)
+    return original("linear")(x, weight, bias)
+
+
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc)."""
 
@@ -278,7 +310,7 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
             if bias is not None:
                 y = y + bias
         else:
-            y = original("linear")(x, weight, bias)
+            y = _paddle_linear(x, weight, bias)
         _stash_for_backward(ctx, x, weight, bias)
         ctx.transpose_weight = transpose_weight
         stats.bump(stats.linear, "forward")
@@ -294,14 +326,21 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
                 lambda: _input_grad(dy, ctx.weight, ctx.transpose_weight, x.dtype))
         # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
         # enable(fused_linear=True) tags it with the real parameter (ORIGIN).
-        weight = getattr(ctx.weight, ORIGIN, ctx.weight)
-        bias = getattr(ctx.bias, ORIGIN, ctx.bias) if ctx.bias is not None else None
+        weight, bias = ctx.weight, ctx.bias
+        # (the tag lives in __dict__: looked up there, no AttributeError raised and caught)
+        weight = weight.__dict__.get(ORIGIN, weight)
+        if bias is not None:
+            bias = bias.__dict__.get(ORIGIN, bias)
         stats.bump(stats.linear, "backward")
+        names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
         dx = None
         if ctx.x_needs_grad:
-            dx = _input_grad(dy, weight, ctx.transpose_weight, x.dtype)
-        with paddle.no_grad():
-            dw, db = _weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight)
+            dx = _input_grad(dy, weight, ctx.transpose_weight, x.dtype, names)
+        if tracer()._has_grad:  # create_graph: the accumulation is no part of any graph
+            with paddle.no_grad():
+                dw, db = _weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
+        else:  # an ordinary backward runs with grad off already
+            dw, db = _weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
         autograd_passes.ran(ctx)
         if bias is None:
             return dx, dw
@@ -336,6 +375,7 @@ def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
     is Paddle's, with Paddle's result or Paddle's error.  A mismatched ``x``/``weight``
     inner dimension stays ours: :func:`_validate` raises a ValueError naming shapes.
     """
+    # cheapest first; each dtype is asked once (a dtype comparison is a pybind call)
     if not paddle.in_dynamic_mode() or not tracer()._has_grad:
         return True
     if not (_plain_dense(x) and _plain_dense(weight)):
@@ -344,13 +384,14 @@ def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
         return True
     if not (_wants_grad(weight) or _wants_grad(bias)):
         return True
-    if len(weight.shape) != 2 or len(x.shape) < 2 or x.dtype != weight.dtype:
+    if len(weight.shape) != 2 or len(x.shape) < 2:
         return True
-    if str(x.dtype).replace("paddle.", "") not in ops._SUPPORTED:
+    x_name = _dtname(x.dtype)
+    if x_name not in ops._SUPPORTED or _dtname(weight.dtype) != x_name:
         return True
     if bias is not None:
         n = weight.shape[0] if transpose_weight else weight.shape[1]
-        if bias.dtype != x.dtype or list(bias.shape) != [n]:
+        if bias.shape != [n] or _dtname(bias.dtype) != x_name:
             return True
     if not x.place._equals(weight.place):
         return True

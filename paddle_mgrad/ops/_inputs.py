@@ -23,10 +23,52 @@ SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 
 
 @functools.lru_cache(maxsize=None)
-def dtype_name(dt) -> str:
-    """``"bfloat16"`` for ``paddle.bfloat16`` (cached: ``str()`` of a Paddle 3 dtype costs ~2 us,
-    and a call checks several)."""
+def _dtype_name_slow(dt) -> str:
     return str(dt).replace("paddle.", "")
+
+
+# A dtype's name without asking Paddle twice.  Every question to a Paddle dtype object is a
+# pybind call of 1-7 us (``str()``, ``==``, ``hash()`` -- what an ``lru_cache`` lookup does --
+# and ``.value``), and a fused linear asks a few dozen per step.
+# * Paddle 3.x hands out the same dtype objects every time (``x.dtype is paddle.float32``):
+#   they are looked up by ``id()``, and the ``is`` check against the object kept here makes a
+#   recycled id impossible to mistake.
+# * Paddle 2.6 makes a new object per ``.dtype``: looked up by ``(type, int(dt))``, the enum
+#   value (one pybind call).  Strings (``"float32"``) are their own names.
+_BY_ID: dict = {}   # id(dtype object) -> (the object, its name)
+_BY_ENUM: dict = {}  # (type, enum value) -> name
+
+
+def _remember(dt):
+    name = _dtype_name_slow(dt)
+    _BY_ID[id(dt)] = (dt, name)
+    return name
+
+
+for _n in SUPPORTED + ("int32", "int64", "bool", "uint8", "int8", "int16", "complex64",
+                       "complex128"):
+    _dt = getattr(paddle, _n, None)
+    if _dt is not None:
+        _remember(_dt)
+    _BY_ID[id(_n)] = (_n, _n)
+del _n, _dt
+
+
+def dtype_name(dt) -> str:
+    """``"bfloat16"`` for ``paddle.bfloat16`` (or ``"bfloat16"``), fast (see above)."""
+    hit = _BY_ID.get(id(dt))
+    if hit is not None and hit[0] is dt:
+        return hit[1]
+    if isinstance(dt, str):
+        return dt.replace("paddle.", "")
+    try:
+        key = (type(dt), int(dt))
+    except (TypeError, ValueError):
+        return _dtype_name_slow(dt)
+    name = _BY_ENUM.get(key)
+    if name is None:
+        name = _BY_ENUM[key] = _dtype_name_slow(dt)
+    return name
 
 
 def mp_dtype(dtype) -> str:

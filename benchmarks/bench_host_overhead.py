@@ -1,0 +1,174 @@
+"""Host cost of paddle_mgrad's fused linear and recompute vs Paddle's own path (one process).
+
+    python benchmarks/bench_host_overhead.py [--rounds 15 --steps 40 --layers 8 --width 64 --rows 8]
+
+A model small enough that the GEMMs are negligible -- ``--layers`` blocks of
+``nn.Linear(width, width)`` + ReLU on a ``rows``-row batch under ``MixPrecisionLayer`` (fp32
+``main_grad``) -- runs forward + backward.  What is left is what the host spends dispatching:
+the cost users pay per layer on a GPU (asynchronous GEMMs) and on a CPU with a fast GEMM.
+
+Three columns, the recompute mode: none, non-reentrant, reentrant (each block under
+``paddle.distributed.fleet.utils.recompute``, called by that name in every row as a user
+would; after ``paddle_mgrad.enable(recompute=True)`` the name runs ours).  Three rows:
+
+* ``paddle``: ``paddle_mgrad.disable()`` -- Paddle's own linear and recompute, the baseline;
+* ``fused linear``: ``enable(recompute=True, fused_linear=True)``;
+* ``recompute only``: ``enable(recompute=True, fused_linear=False)``.
+
+All nine cells run in ONE process, interleaved round by round (each round switches with
+``enable()``/``disable()``), so machine noise hits them alike; a cell's figure is the MIN over
+rounds of the process CPU time (``time.process_time``) of ``--steps`` steps: the machines
+these run on are shared, and CPU time of this process is what other load disturbs least.
+Printed: per-step CPU time of each cell (us) and the ratio ours / Paddle's own per column.
+
+Every fused-linear round asserts that the fused path ran for every linear: the
+``into_main_grad`` counter (:mod:`paddle_mgrad.stats`) grows by exactly 2 (weight and bias) per
+linear per step.  ``--profile MODE`` runs cProfile on one cell instead and prints the top
+functions (MODE like ``fused:none``, ``paddle:reentrant``).
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import zlib  # noqa: F401,E402  (before paddle: Paddle 2.6)
+
+import paddle  # noqa: E402
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer  # noqa: E402
+
+import paddle_mgrad  # noqa: E402
+from paddle_mgrad import stats  # noqa: E402
+
+RECOMPUTE = ("none", "non_reentrant", "reentrant")
+ROWS = {"paddle": None, "fused": dict(recompute=True, fused_linear=True),
+        "recompute": dict(recompute=True, fused_linear=False)}
+LABEL = {"paddle": "paddle (baseline)", "fused": "fused linear", "recompute": "recompute only"}
+
+
+class Block(paddle.nn.Layer):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = paddle.nn.Linear(width, width)
+
+    def forward(self, x):
+        return paddle.nn.functional.relu(self.lin(x))
+
+
+def build(args):
+    paddle.seed(0)
+    blocks = paddle.nn.LayerList([Block(args.width) for _ in range(args.layers)])
+    # dtype only names the half type; the parameters stay fp32, main_grad is fp32
+    model = MixPrecisionLayer(blocks, dtype="bfloat16")
+    x0 = paddle.randn([args.rows, args.width])
+    return blocks, model, x0
+
+
+def switch(row):
+    if ROWS[row] is None:
+        paddle_mgrad.disable()
+    else:
+        paddle_mgrad.enable(**ROWS[row])
+
+
+def make_step(blocks, x0, rmode):
+    # looked up per call, as user code does: enable() re-points this name to ours
+    import paddle.distributed.fleet.utils as fu
+
+    # Paddle 2.6's own non-reentrant recompute cannot preserve the RNG state on a CPU; both
+    # sides run with the same setting
+    preserve = not paddle.__version__.startswith("2.")
+
+    def step():
+        x = x0.detach()
+        x.stop_gradient = False
+        h = x
+        for b in blocks:
+            if rmode == "none":
+                h = b(h)
+            else:
+                h = fu.recompute(b, h, use_reentrant=(rmode == "reentrant"),
+                                 preserve_rng_state=preserve)
+        h.sum().backward()
+    return step
+
+
+def run_cell(blocks, x0, row, rmode, steps):
+    switch(row)
+    step = make_step(blocks, x0, rmode)
+    step()  # warm: first micro-step allocations, lazy installs
+    before = stats.snapshot()["linear"]["into_main_grad"]
+    t0 = time.process_time()
+    for _ in range(steps):
+        step()
+    dt = time.process_time() - t0
+    got = stats.snapshot()["linear"]["into_main_grad"] - before
+    want = 2 * len(blocks) * steps if row == "fused" else 0
+    if got != want:
+        raise SystemExit(f"{row}/{rmode}: into_main_grad grew by {got}, expected {want} "
+                         "(the fused path was not taken for every linear)")
+    return dt / steps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--profile", default=None, help="ROW:RECOMPUTE, e.g. fused:none")
+    args = ap.parse_args()
+    blocks, model, x0 = build(args)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        row, rmode = args.profile.split(":")
+        run_cell(blocks, x0, row, rmode, 5)
+        switch(row)
+        step = make_step(blocks, x0, rmode)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.steps):
+            step()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(35)
+        paddle_mgrad.disable()
+        return
+
+    best = {(r, m): float("inf") for r in ROWS for m in RECOMPUTE}
+    for _ in range(args.rounds):
+        for m in RECOMPUTE:
+            for r in ROWS:
+                best[r, m] = min(best[r, m], run_cell(blocks, x0, r, m, args.steps))
+    paddle_mgrad.disable()
+
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"paddle {paddle.__version__}, {cpu}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+          f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, {args.rows} rows, "
+          f"MixPrecisionLayer fp32 main_grad; process CPU time per fwd+bwd step, min of "
+          f"{args.rounds} rounds x {args.steps} steps; fused path verified (into_main_grad)")
+    print(f"{'':22s}" + "".join(f"{m:>22s}" for m in RECOMPUTE))
+    for r in ROWS:
+        cells = []
+        for m in RECOMPUTE:
+            us = best[r, m] * 1e6
+            if r == "paddle":
+                cells.append(f"{us:9.0f} us")
+            else:
+                cells.append(f"{us:9.0f} us {best[r, m] / best['paddle', m]:6.3f}x")
+        print(f"{LABEL[r]:22s}" + "".join(f"{c:>22s}" for c in cells))
+    print("ratios: ours / Paddle's own in the same column (< 1: ours costs the host less)")
+
+
+if __name__ == "__main__":
+    main()
