@@ -318,6 +318,31 @@ def test_gpu_tier_paddle_fused_skips_accumulators_it_does_not_take(fake_gpu):
     assert ops._tier_for(x, paddle.zeros([4, 3], "float16"), None, False, False) == "paddle-fused"
 
 
+def test_gpu_tier_is_decided_once_not_per_call(fake_gpu, monkeypatch):
+    """The tier for GPU tensors (Paddle's fused op, our CUDA op, the reference) comes from the
+    state load() settled: no call asks Paddle's kernel registry, is_compiled_with_cuda or the
+    build again (each of those is a slow query; issue 23)."""
+    ops.load()
+    for state, want_fake in (("paddle-fused", True), ("python", False)):
+        ops._state["gpu"] = state
+
+        def boom(*a, **k):
+            raise AssertionError("an expensive query ran per call")
+
+        monkeypatch.setattr(paddle, "is_compiled_with_cuda", boom)
+        monkeypatch.setattr(ops, "_paddle_has_gpu_fused_op", boom)
+        monkeypatch.setattr(_build, "load_op_module", boom)
+        monkeypatch.setattr(paddle.framework.core, "_get_all_register_op_kernels", boom,
+                            raising=False)
+        x, dy, x2, y2 = _data()
+        mg = paddle.zeros([4, 3])
+        fake_gpu.clear()
+        for _ in range(3):
+            ops.fused_linear_param_grad_add(x, dy, mg, None, True, False)
+        assert bool(fake_gpu) == want_fake and len(fake_gpu) in (0, 3)
+        np.testing.assert_allclose(mg.numpy(), 3 * (x2.T @ y2), rtol=1e-5, atol=1e-5)
+
+
 def test_gpu_tiers_ours_and_python(fake_gpu):
     x, dy, x2, y2 = _data()
     ops._state["gpu"] = "cuda"

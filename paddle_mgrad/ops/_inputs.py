@@ -12,8 +12,6 @@ devices this machine does not have).
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .._compat import paddle
@@ -22,8 +20,8 @@ from ..errors import FusedLinearError
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 
 
-@functools.lru_cache(maxsize=None)
 def _dtype_name_slow(dt) -> str:
+    # (not an lru_cache: its keys compare by ==, and enum values of two types are equal ints)
     return str(dt).replace("paddle.", "")
 
 
