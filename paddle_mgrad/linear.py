@@ -202,7 +202,56 @@ def _plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
     return dw, db
 
 
+# ``main_grad`` is a plain instance attribute (MixPrecisionLayer, PaddleNLP set it): read from
+# ``__dict__`` unless a Paddle ever defines it on the class
+_MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
+                          or hasattr(_compat.EagerParamBase, "main_grad"))
+
+
+def _main_grads_fast(x, dy, weight, bias, names):
+    """The common case of :func:`_fused_grads` in fewer steps: x and dy of one dtype, ``weight``
+    [K, N] and ``bias`` (or None) both needing a gradient, both with a ``main_grad`` attribute
+    and no user gradient hook.  The same checks (:func:`_check_main_grad_dtype`, then the op's
+    own), the same writes; returns None for any other case (the general code takes it)."""
+    x_name, dy_name, w_name = names
+    if x_name != dy_name or weight.stop_gradient or not _MAIN_GRAD_IN_DICT:
+        return None
+    wd = weight.__dict__
+    if "main_grad" not in wd or param_hooks.has_user_hooks(weight):
+        return None
+    if bias is not None:
+        bd = bias.__dict__
+        if bias.stop_gradient or "main_grad" not in bd or param_hooks.has_user_hooks(bias):
+            return None
+        b_acc = bd["main_grad"]
+    else:
+        b_acc = None
+    w_acc = wd["main_grad"]
+    mp_name = "float64" if x_name == "float64" else "float32"
+    if w_acc is not None:
+        _check_main_grad_dtype(weight, w_name, _dtname(w_acc.dtype), w_acc)
+    if b_acc is not None:
+        _check_main_grad(bias)
+    dw, db = ops.accumulate_checked(x, dy, w_acc, b_acc, True, bias is not None, x_name)
+    fused = stats.fused_params
+    fused.add(weight.name)
+    if w_acc is None:
+        weight.main_grad = dw  # first micro-step: mp dtype, on the real parameter
+    if bias is not None:
+        fused.add(bias.name)
+        if b_acc is None:
+            bias.main_grad = db if _dtname(db.dtype) == mp_name else db.astype(mp_name)
+        stats.bump(stats.linear, "into_main_grad", 2)
+    else:
+        stats.bump(stats.linear, "into_main_grad", 1)
+    return None, None
+
+
 def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
+    if names is not None and not transpose_weight:
+        done = _main_grads_fast(x, dy, weight, bias, names)
+        if done is not None:
+            return done
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
         return None, None
@@ -378,10 +427,9 @@ def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
     # cheapest first; each dtype is asked once (a dtype comparison is a pybind call)
     if not paddle.in_dynamic_mode() or not tracer()._has_grad:
         return True
-    if not (_plain_dense(x) and _plain_dense(weight)):
-        return True
-    if bias is not None and not _plain_dense(bias):
-        return True
+    for t in (x, weight) if bias is None else (x, weight, bias):
+        if not _plain_dense(t):
+            return True
     if not (_wants_grad(weight) or _wants_grad(bias)):
         return True
     if len(weight.shape) != 2 or len(x.shape) < 2:

@@ -366,9 +366,10 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
         return None
     if not (isinstance(x, paddle.Tensor) and isinstance(dout, paddle.Tensor)):
         return None
-    for t in (dweight, dbias):
-        if t is not None and (not isinstance(t, paddle.Tensor) or _strided(t)):
-            return None
+    if dweight is not None and (not isinstance(dweight, paddle.Tensor) or _strided(dweight)):
+        return None
+    if dbias is not None and (not isinstance(dbias, paddle.Tensor) or _strided(dbias)):
+        return None
     xs, ys = x.shape, dout.shape
     if len(xs) < 2 or not xs[-1] or not ys or not ys[-1] or not paddle.in_dynamic_mode():
         return None  # K = 0 / N = 0: the reference (see _dispatch); bad ranks: checked below
@@ -388,7 +389,10 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
     run = _RAW["run"]
     if run is None:
         return None
-    x, dout = _contiguous(x), _contiguous(dout)
+    if not x.is_contiguous():
+        x = _contiguous(x)
+    if not dout.is_contiguous():
+        dout = _contiguous(dout)
     try:
         if _tracer()._has_grad:
             with paddle.no_grad():
