@@ -620,7 +620,7 @@ def test_overlapped_backward_lets_the_collective_start_before_dw(monkeypatch, ov
     co, launches = overlap_aid
     order = []
     monkeypatch.setattr(ol, "let_collective_start", lambda t: order.append("aid"))
-    monkeypatch.setattr(ol, "_weight_and_bias_grads", lambda *a: order.append("dW") or (None, None))
+    monkeypatch.setattr(ol, "weight_and_bias_grads", lambda *a: order.append("dW") or (None, None))
 
     class Task:
         def wait(self):
