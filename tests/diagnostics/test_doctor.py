@@ -19,9 +19,8 @@ import pytest
 from paddle_mgrad import _cli, ops
 from paddle_mgrad.diagnostics import doctor
 from paddle_mgrad.ops import _build, build_config
-from conftest import PADDLE2
+from conftest import PADDLE2, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVIDENCE = os.path.join(ROOT, "tests", "nlp", "evidence")
 
 

@@ -384,7 +384,7 @@ def test_gpu_capabilities_reads_paddle_and_survives_cpu_paddle(monkeypatch):
 def _bench_module():
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
     spec = importlib.util.spec_from_file_location("bench_wgrad_gpu_for_paths", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
