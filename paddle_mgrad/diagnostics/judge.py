@@ -73,22 +73,42 @@ def _cxx_missing(facts):
 
 
 def diagnose(facts) -> list:
-    """``[{"area", "problem", "fix"}]``: everything that is wrong, each with its fix."""
+    """``[{"area", "problem", "fix"}]``: everything that is wrong, each with its fix -- one judge
+    per area, in the order the screen lists them; nothing past Paddle when it does not import."""
     out = []
 
     def bad(area, problem, fix):
         out.append({"area": area, "problem": " ".join(str(problem).split()),
                     "fix": " ".join(str(fix).split())})
 
+    _judge_versions(facts, bad)
+    _judge_switch(facts, bad)
+    if not _judge_paddle(facts, bad):
+        return out  # nothing below can be known without Paddle
+    _judge_cache(facts, bad)
+    crashed = _judge_op_load(facts, bad)
+    _judge_backends(facts, bad)
+    _judge_steps(facts, bad)
+    _judge_selftest(facts, bad, crashed)
+    return out
+
+
+def _paddle_versions(facts):
+    """(versions, the installed Paddle distributions, Paddle's version or None)."""
+    ver = facts.get("versions") or {}
+    dists = ver.get("paddle_dists") or {}
+    return ver, dists, next(iter(dists.values()), None)
+
+
+def _judge_versions(facts, bad):
+    """The doctor's own failures, Paddle's wheel and its numpy/protobuf, PaddleNLP's pins."""
     for err in facts.get("errors", []):
         bad("doctor", f"the doctor failed collecting {err}",
             "report it: python -m paddle_mgrad doctor --json > doctor.json")
-    ver = facts.get("versions") or {}
-    dists = ver.get("paddle_dists") or {}
+    ver, dists, paddle_v = _paddle_versions(facts)
     if len(dists) > 1:
         bad("versions", "both paddlepaddle and paddlepaddle-gpu are installed (they overwrite "
             "each other's files)", "pip uninstall the one you do not want, then reinstall the other")
-    paddle_v = next(iter(dists.values()), None)
     if paddle_v and _vtuple(paddle_v) and _vtuple(paddle_v) < (3,):
         if ver.get("numpy") and _vtuple(ver["numpy"]) >= (2,):
             bad("versions", f"Paddle {paddle_v} with numpy {ver['numpy']} (Paddle 2.6 needs numpy<2)",
@@ -106,6 +126,9 @@ def diagnose(facts) -> list:
             bad("versions", f"{dist} {ver[dist]} does not import with {', '.join(wrong)}",
                 "pip install " + " ".join(_pin_text(n, p) for n, p in pins.items()))
 
+
+def _judge_switch(facts, bad):
+    """PADDLE_MGRAD* variables (invalid, unknown) and the autoload .pth."""
     sw = facts.get("switch") or {}
     for v in sw.get("variables", []):
         if v["status"] == "invalid":
@@ -128,6 +151,10 @@ def diagnose(facts) -> list:
             "(paddle_mgrad_autoload) is not: every Python start prints an error",
             "pip install --force-reinstall the package, or delete the .pth file")
 
+
+def _judge_paddle(facts, bad) -> bool:
+    """Whether Paddle imports in the probe; when not, why and what to install."""
+    ver, dists, paddle_v = _paddle_versions(facts)
     pp = facts.get("probe_paddle") or {}
     pst = _step(facts, "probe_paddle", "paddle")
     if "version" not in pst:
@@ -142,10 +169,12 @@ def diagnose(facts) -> list:
         else:
             fix = f"reinstall Paddle (pip install --force-reinstall {next(iter(dists))}=={paddle_v})"
         bad("paddle", f"Paddle does not import: {why}", fix)
-        return out  # nothing below can be known without Paddle
-    paddle_cuda = bool(pst.get("cuda"))
+        return False
+    return True
 
-    cache = _step(facts, "probe_paddle", "cache")  # before loading the op (what will_load says)
+
+def _judge_cache(facts, bad):
+    """Builds in the op cache with a problem that matters (corrupt, unsafe, this key failed)."""
     final = _final_cache(facts)  # after loading it, when the op probe got that far
     if final.get("failed"):
         bad("cache", f"listing the op cache failed: {final['failed']}",
@@ -155,6 +184,11 @@ def diagnose(facts) -> list:
             bad("cache", f"build {b.get('directory')}: {b['problem']}",
                 f"delete it: rm -rf {b.get('directory')} (the next use rebuilds it)")
 
+
+def _judge_op_load(facts, bad):
+    """Loading the op: a crash (a corrupt build), a timeout, an exception.  Returns the step the
+    op probe died in (None when it did not)."""
+    cache = _step(facts, "probe_paddle", "cache")  # before loading the op (what will_load says)
     po = facts.get("probe_op") or {}
     op = _step(facts, "probe_op", "op")
     crashed = po.get("crashed_in") or ((po.get("signal") or po.get("timed_out")) and "op")
@@ -174,6 +208,15 @@ def diagnose(facts) -> list:
     elif op.get("failed"):
         bad("op", f"loading the op raised {op['failed']}",
             "report it: python -m paddle_mgrad doctor --json > doctor.json")
+    return crashed
+
+
+def _judge_backends(facts, bad):
+    """CPU tensors on the pure-Paddle fallback, GPU tensors not on our CUDA op: why and the fix."""
+    op = _step(facts, "probe_op", "op")
+    cache = _step(facts, "probe_paddle", "cache")
+    sw = facts.get("switch") or {}
+    paddle_cuda = bool(_step(facts, "probe_paddle", "paddle").get("cuda"))
     backends = op.get("backends") or {}
     if backends.get("cpu") == "python" and op.get("fallback_reason") != "PADDLE_MGRAD_OPS=python":
         missing = _cxx_missing(facts)
@@ -200,7 +243,9 @@ def diagnose(facts) -> list:
                    "file to retry (or set PADDLE_MGRAD_NO_CUDA=1 to stop trying)")
         bad("op", f"GPU tensors run {GEMM_NAMES.get(gpu, gpu)}, not our CUDA op: {why[:300]}", fix)
 
-    # any other step that raised: the doctor could not find out something it reports
+
+def _judge_steps(facts, bad):
+    """Any other probe step that raised: the doctor could not find out something it reports."""
     for probe, step in (("probe_paddle", "paddle"), ("probe_paddle", "selftest_paddle"),
                         ("probe_op", "cache_after"), ("probe_op", "cpu")):
         failed = _step(facts, probe, step).get("failed")
@@ -208,6 +253,10 @@ def diagnose(facts) -> list:
             bad("doctor", f"the doctor's step '{step}' failed: {failed}",
                 "report it: python -m paddle_mgrad doctor --json > doctor.json")
 
+
+def _judge_selftest(facts, bad, crashed):
+    """The seed case through paddle_mgrad (when the op probe got there)."""
+    po = facts.get("probe_op") or {}
     st = _step(facts, "probe_op", "selftest_paddle_mgrad")
     if po and not crashed and st and not st.get("started"):
         wrong = []
@@ -223,7 +272,6 @@ def diagnose(facts) -> list:
         if wrong:
             bad("self-test", "the seed case through paddle_mgrad failed: " + "; ".join(wrong),
                 "report it: python -m paddle_mgrad doctor --json > doctor.json")
-    return out
 
 
 def _needs_line(facts):
