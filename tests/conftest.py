@@ -43,7 +43,9 @@ def pytest_configure(config):
     if getattr(config, "workerinput", None) is not None:
         _private_worker_cache(config)
     elif getattr(config.option, "numprocesses", None) and not config.option.collectonly:
-        paddle_mgrad.ops.load()  # the controller: build the suite's op once (cached after)
+        from paddle_mgrad import ops
+
+        ops.load()  # the controller: build the suite's op once (kept in the cache after)
 
 
 def _private_worker_cache(config):
