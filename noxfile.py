@@ -4,8 +4,8 @@
     pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
     nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
-    nox -s fleet                         # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
-    nox -s nlp_fleet                     # nlp + fleet in one venv per Paddle version (CI)
+    nox -s fleet                         # tests/fleet/launch: 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
+    nox -s nlp_fleet                     # nlp + fleet/launch in one venv per Paddle version (CI)
     nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
     nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
 
@@ -92,7 +92,7 @@ def _install(session, paddle_version, extra=()):
 def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
-    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet",
+    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet/launch",
                 "--ignore=tests/formers", *session.posargs, env=ENV)
 
 
@@ -122,13 +122,13 @@ def nlp272(session):
 @nox.parametrize("paddle", list(PADDLE_PINS))
 @_frees_venv
 def fleet(session, paddle):
-    """Fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP, TP2+mp_async_allreduce,
-    TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter (3.x, with and without
-    the fused op), sharding stage1, PP2, PP2 with recompute_interval)
+    """tests/fleet/launch: fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP,
+    TP2+mp_async_allreduce, TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter
+    (3.x, with and without the fused op), sharding stage1, PP2, PP2 with recompute_interval)
     against a one-process run, PaddleNLP 2.8.1's tiny llama; and Paddle 3.x's zero-bubble
     DualPipeV schedule (deferred weight gradients through our op) against a one-process run."""
     _install(session, paddle, NLP_PINS)
-    session.run(*PYTEST, *XDIST, "tests/fleet", *session.posargs, env=ENV)
+    session.run(*PYTEST, *XDIST, "tests/fleet/launch", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -139,7 +139,7 @@ def nlp_fleet(session, paddle):
     pins, so one install instead of two, and xdist balances the 2-rank launches against the
     one-process runs."""
     _install(session, paddle, NLP_PINS)
-    session.run(*PYTEST, *XDIST, "tests/nlp", "tests/fleet", *session.posargs, env=ENV)
+    session.run(*PYTEST, *XDIST, "tests/nlp", "tests/fleet/launch", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -207,7 +207,7 @@ def gpu_wheel(session):
     session.chdir(root)
     # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
-    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet",
+    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet/launch",
                 "--ignore=tests/formers", "--deselect",
                 "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
                 *session.posargs, env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))

@@ -19,12 +19,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import PADDLE2
+from conftest import PADDLE2, ROOT
 
 # heavy (two trainings); one worker runs them all: the module-scoped ``runs`` once, not per worker
 pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("to_static_runs")]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import json, sys, traceback
