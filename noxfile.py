@@ -5,6 +5,7 @@
     nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
     nox -s fleet                         # tests/fleet/launch: 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
+    nox -s nlp_fleet                     # nlp + fleet/launch in one venv per Paddle version (CI)
     nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
     nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
 
@@ -35,7 +36,28 @@ NLP272_TESTS = ["tests/nlp/test_llama_example.py", "tests/nlp/test_paddlenlp_llm
 # PaddleFormers 1.2.0 resolves datasets 5.x -> pyarrow>=24 (numpy>=2), while its fast_dataindex
 # pins numpy<=1.26.4: "pyarrow requires NumPy 2.0 or newer" at import.  These make it import.
 FORMERS_PINS = ["paddleformers==1.2.0", "datasets>=3,<4", "pyarrow<19"]
-TEST_DEPS = ["pytest>=7", "hypothesis>=6", "wheel", "setuptools"]
+TEST_DEPS = ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3.2", "wheel", "setuptools"]
+
+
+def _workers():
+    """pytest-xdist workers: the CPUs this process may use (2 on the CI box), at most 4 (each
+    worker imports Paddle, ~1 GB), or $PADDLE_MGRAD_TEST_WORKERS (0: no xdist)."""
+    wanted = os.environ.get("PADDLE_MGRAD_TEST_WORKERS")
+    if wanted:
+        return wanted
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return str(min(max(cpus, 1), 4))
+
+
+# Every pytest session runs on all cores: worksteal lets an idle worker take the tail of a busy
+# one's queue (tests run from seconds to a minute); tests/conftest.py orders the long ones first
+# and gives every worker its own op cache.  ``nox -s tests -- -n 0`` (or
+# PADDLE_MGRAD_TEST_WORKERS=0) runs in one process.
+XDIST = ["-n", _workers(), "--dist", "worksteal"] if _workers() != "0" else []
+PYTEST = ["pytest", "-q", "-p", "no:cacheprovider"]
 # Equal thread counts everywhere (Paddle forces 1 at import unless set).
 ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
        "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
@@ -70,8 +92,8 @@ def _install(session, paddle_version, extra=()):
 def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                "--ignore=tests/fleet/launch", "--ignore=tests/formers", *session.posargs, env=ENV)
+    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet/launch",
+                "--ignore=tests/formers", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -80,8 +102,7 @@ def tests(session, paddle):
 def nlp(session, paddle):
     """The llama example and trainer-integration tests with PaddleNLP 2.8.1."""
     _install(session, paddle, NLP_PINS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/nlp", *session.posargs,
-                env=ENV)
+    session.run(*PYTEST, *XDIST, "tests/nlp", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -94,8 +115,7 @@ def nlp272(session):
     (TypeError, with or without paddle_mgrad): the tests stand in for it
     (tests/nlp/cpu_nlp_standins.py) and assert the failure without it."""
     _install(session, "2.6.2", NLP272_PINS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *NLP272_TESTS, *session.posargs,
-                env=ENV)
+    session.run(*PYTEST, *XDIST, *NLP272_TESTS, *session.posargs, env=ENV)
 
 
 @nox.session
@@ -108,8 +128,18 @@ def fleet(session, paddle):
     against a one-process run, PaddleNLP 2.8.1's tiny llama; and Paddle 3.x's zero-bubble
     DualPipeV schedule (deferred weight gradients through our op) against a one-process run."""
     _install(session, paddle, NLP_PINS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet/launch", *session.posargs,
-                env=ENV)
+    session.run(*PYTEST, *XDIST, "tests/fleet/launch", *session.posargs, env=ENV)
+
+
+@nox.session
+@nox.parametrize("paddle", list(PADDLE_PINS))
+@_frees_venv
+def nlp_fleet(session, paddle):
+    """``nlp`` and ``fleet`` in one virtualenv and one pytest run (what .ci/run calls): the same
+    pins, so one install instead of two, and xdist balances the 2-rank launches against the
+    one-process runs."""
+    _install(session, paddle, NLP_PINS)
+    session.run(*PYTEST, *XDIST, "tests/nlp", "tests/fleet/launch", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -118,8 +148,7 @@ def formers(session):
     """PaddleFormers 1.2.0 (Paddle 3.x users' trainer): its own Trainer/TrainingArguments and a
     tiny llama with amp_master_grad + full recompute, PADDLE_MGRAD=all against plain Paddle."""
     _install(session, "3.3.1", FORMERS_PINS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/formers", *session.posargs,
-                env=ENV)
+    session.run(*PYTEST, *XDIST, "tests/formers", *session.posargs, env=ENV)
 
 
 # cuBLAS(Lt) for the CUDA build.  The machine's toolkit (/usr/local/cuda: CUDA 13.0 nvcc and
@@ -178,8 +207,8 @@ def gpu_wheel(session):
     session.chdir(root)
     # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                "--ignore=tests/fleet/launch", "--ignore=tests/formers", "--deselect",
+    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet/launch",
+                "--ignore=tests/formers", "--deselect",
                 "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
                 *session.posargs, env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
 

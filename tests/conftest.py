@@ -1,8 +1,10 @@
 import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import paddle
@@ -24,6 +26,79 @@ def run_probe_script(name, *args, timeout=300):
     return subprocess.run([sys.executable, os.path.join(TESTS, name), *args],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+
+
+# ------------------------------------------------------------------ pytest-xdist (issue 26)
+# ``nox -s tests`` runs the suite on both cores (``-n 2``).  Each worker is a separate process
+# with its own op cache, its own basetemp (pytest-of-<user>/pytest-N/popen-gwK) and OS-assigned
+# ports; nothing a test writes is shared between workers.  The op the suite runs on is built
+# once, by the controller, before the workers start (not twice, and not by one worker while the
+# other waits on the cache lock); each worker gets a private copy of that verified build.
+HEAVY = "heavy"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{HEAVY}: a real build of the op or a nested suite (~20-60 s): scheduled "
+        "first, spread over the xdist workers (see pytest_collection_modifyitems)")
+    if getattr(config, "workerinput", None) is not None:
+        _private_worker_cache(config)
+    elif getattr(config.option, "numprocesses", None) and not config.option.collectonly:
+        from paddle_mgrad import ops
+
+        ops.load()  # the controller: build the suite's op once (kept in the cache after)
+
+
+def _private_worker_cache(config):
+    """Point this worker's PADDLE_MGRAD_CACHE at a new private directory holding a copy of the
+    build the controller made (what every test that only needs *a* build loads); subprocesses
+    inherit it.  Removed when the worker ends."""
+    from paddle_mgrad.ops import _build
+
+    worker = config.workerinput["workerid"]
+    cache = tempfile.mkdtemp(prefix=f"paddle_mgrad-op-cache-{worker}-")
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    for key in sorted(_build._current_keys()):  # the CPU build (+ the CUDA one on a CUDA wheel)
+        key_dir = os.path.join(_build.cache_root(), key)
+        if any(os.path.lexists(os.path.join(key_dir, m)) for m in (_build.MARKER, _build.FAILED)):
+            shutil.copytree(key_dir, os.path.join(cache, key), symlinks=True)
+    os.environ["PADDLE_MGRAD_CACHE"] = cache
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist worksteal``), order the tests so that each worker's first
+    share starts with its part of the ``heavy`` ones.  worksteal hands worker k the next
+    ``remaining // (workers - k)`` tests of this order, then lets an idle worker take the tail
+    of a busy one's queue: the long tests overlap instead of one core finishing them alone, and
+    tests that share a module-scoped fixture (``xdist_group``, e.g. one AOT install) stay in one
+    worker's queue, in order.  (pytest 9.2 drops ``--dist loadgroup``'s grouping silently:
+    pytest-xdist issue 1386.)  Without xdist the order is the files' own."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    units = {}  # heavy tests by xdist_group (a group is dealt as one unit), in collection order
+    for item in items:
+        if item.get_closest_marker(HEAVY) is not None:
+            group = item.get_closest_marker("xdist_group")
+            key = (group.args[0] if group.args else group.kwargs.get("name", "default")) \
+                if group is not None else item.nodeid
+            units.setdefault(key, []).append(item)
+    if not units:
+        return
+    heavy = {id(i) for unit in units.values() for i in unit}
+    light = [i for i in items if id(i) not in heavy]
+    workers = int(workerinput.get("workercount", 1))
+    lanes = [[] for _ in range(workers)]
+    for n, unit in enumerate(units.values()):
+        lanes[n % workers].extend(unit)
+    ordered, left = [], len(items)
+    for k, lane in enumerate(lanes):
+        share = left // (workers - k)  # what worksteal sends worker k first
+        fill = max(0, share - len(lane))
+        ordered += lane + light[:fill]
+        light = light[fill:]
+        left -= len(lane) + fill
+    items[:] = ordered + light
 
 
 @pytest.fixture(autouse=True)

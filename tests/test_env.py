@@ -219,21 +219,59 @@ IMPORT = """
 """
 
 
-@pytest.mark.parametrize("name,text", [
+BAD_AT_IMPORT = [
     ("PADDLE_MGRAD_OPS", "garbage"), ("PADDLE_MGRAD_CPU_FP64_KERNEL", "garbage"),
     ("PADDLE_MGRAD_BUILD_OPS", "flase"), ("PADDLE_MGRAD_CPU_CHUNK_ROWS", "99999999999999999999"),
     ("PADDLE_MGRAD_CPU_BF16", "fast"), ("PADDLE_MGRAD_DETERMINISM_CHECK", "garbage"),
     ("PADDLE_MGRAD_NO_CUDA", "2"),
-])
-def test_import_paddle_mgrad_raises_env_error(name, text):
+]
+# One child for all of them (Paddle imported once, not once per case): before each case it
+# drops every paddle_mgrad module, so each `import paddle_mgrad` runs the package's import-time
+# check afresh under exactly one bad variable.
+IMPORT_EACH = """
+    import json, os, sys, zlib
+    import paddle  # what `import paddle_mgrad` imports first; once for every case
+    base = dict(os.environ)
+    for name, text in json.loads(sys.argv[1]):
+        for m in [m for m in sys.modules if m == "paddle_mgrad" or m.startswith("paddle_mgrad.")]:
+            del sys.modules[m]
+        os.environ.clear()
+        os.environ.update(base, **{name: text})
+        try:
+            import paddle_mgrad
+        except Exception as e:
+            print("CASE", name, "RAISED", type(e).__name__, e, flush=True)
+        else:
+            print("CASE", name, "IMPORTED", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_at_import():
+    """{name: (its output line, the child's stdout+stderr)} of IMPORT_EACH over BAD_AT_IMPORT."""
+    import json
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_MGRAD")}
+    clean["PYTHONPATH"] = ROOT
+    if os.environ.get("PADDLE_MGRAD_CACHE"):
+        clean["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(IMPORT_EACH),
+                        json.dumps(BAD_AT_IMPORT)], capture_output=True, text=True, env=clean,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    lines = {ln.split()[1]: ln for ln in r.stdout.splitlines() if ln.startswith("CASE ")}
+    return {name: (lines.get(name, ""), r.stdout + r.stderr[-2000:]) for name, _ in BAD_AT_IMPORT}
+
+
+@pytest.mark.parametrize("name,text", BAD_AT_IMPORT)
+def test_import_paddle_mgrad_raises_env_error(name, text, bad_at_import):
     """Once ignored silently (PADDLE_MGRAD_OPS, PADDLE_MGRAD_CPU_FP64_KERNEL) or read as "on"
     (PADDLE_MGRAD_BUILD_OPS=flase): now `import paddle_mgrad` raises EnvError naming the
     variable and the accepted values."""
-    r = _run(IMPORT, **{name: text})
-    assert r.returncode == 0, r.stderr[-3000:]
+    line, out = bad_at_import[name]
     knob = next(k for k in env.KNOBS if k.name == name)
-    assert f"RAISED EnvError {name}={text!r} is not valid; accepted: {knob.accepted}" in r.stdout, \
-        r.stdout + r.stderr[-2000:]
+    assert line == f"CASE {name} RAISED EnvError {name}={text!r} is not valid; accepted: " \
+                   f"{knob.accepted}", out
 
 
 def test_valid_environment_imports_and_uses_the_values():

@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
 spec = importlib.util.spec_from_file_location("bench_wgrad_gpu", PATH)
@@ -56,8 +57,15 @@ def test_paddle_free_cpu_core_through_ctypes(tmp_path):
     assert all(r["ok"] for r in report["cpu_core"])
 
 
-def test_core_rejects_bad_dtype_code(tmp_path):
-    core = gpu.Core(gpu.build(str(tmp_path), cuda=False), cuda=False)
+@pytest.fixture(scope="module")
+def cpu_core_library(tmp_path_factory):
+    """The Paddle-free CPU core built once with the script's builder, for the tests that only
+    need *a* build of it (test_paddle_free_cpu_core_through_ctypes builds through main())."""
+    return gpu.build(str(tmp_path_factory.mktemp("cpu_core")), cuda=False)
+
+
+def test_core_rejects_bad_dtype_code(cpu_core_library):
+    core = gpu.Core(cpu_core_library, cuda=False)
     x = np.zeros([2, 2], "float32")
     err = gpu.ctypes.create_string_buffer(256)
     rc = core.lib.pmg_wgrad_cpu_c(x.ctypes.data, x.ctypes.data, 7, 2, 2, 2, x.ctypes.data, 0, 1.0,
@@ -169,8 +177,8 @@ def test_core_report_fields():
     assert gpu.info_field(info, "nothing") is None
 
 
-def test_cpu_library_carries_the_decisions_and_no_cuda(tmp_path):
-    core = gpu.Core(gpu.build(str(tmp_path), cuda=False), cuda=False)
+def test_cpu_library_carries_the_decisions_and_no_cuda(cpu_core_library):
+    core = gpu.Core(cpu_core_library, cuda=False)
     assert core.lib.pmg_has_cuda() == 0
     assert core.lib.pmg_pointer_alignment(0x1002) == 2
     assert core.lib.pmg_targets_cover(b"sm_80+sm_90+compute_90", 90) == 1

@@ -189,6 +189,7 @@ def test_missing_compiler(tmp_path):
     assert "compiler: /nonexistent/c++ -> NOT FOUND" in r2.stdout
 
 
+@pytest.mark.heavy
 def test_corrupt_cache(tmp_path):
     """A truncated op library in the cache (``dlopen`` of it gives SIGBUS) with PADDLE_MGRAD=all:
     the doctor never loads it in its own process and never dies.  Where the loader verifies builds

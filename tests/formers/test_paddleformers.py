@@ -49,6 +49,10 @@ except ImportError:
 
 from script_runs import launch, script_env, switch_on, with_evidence  # noqa: E402  (tests/)
 
+# trainings (heavy: dealt first under xdist); one worker runs the module, so that the
+# module-scoped plain run happens once
+pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("formers_plain_run")]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "train_tiny.py")
 EVIDENCE = os.path.join(HERE, "evidence")

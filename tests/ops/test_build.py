@@ -41,6 +41,7 @@ def _probe(env_extra, pythonpath=None):
                           env=env, timeout=600, cwd="/")
 
 
+@pytest.mark.heavy
 def test_empty_library_heals_once_with_the_real_compiler_in_a_path_with_a_space(tmp_path):
     """A 0-byte cached library (Paddle's own build used to trip over the stale file forever) in
     a cache whose path has a space (Paddle's unquoted ``cd``), umask 002.  Two processes start
@@ -99,6 +100,15 @@ def test_cache_key_tracks_flags_and_sources(monkeypatch, tmp_path):
     assert _build.build_key() != key
 
 
+def _checkout_copy(dest):
+    """A copy of the checkout (sources only) for pip to build from: setuptools writes
+    ``<source>/build``, which tests running at once (xdist workers, two suites) must not share."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".nox", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        ".hypothesis", ".op-cache*"))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def aot_site(tmp_path_factory):
     """``PADDLE_MGRAD_BUILD_OPS=1 pip install --target`` once for the tests that need it.
@@ -106,10 +116,7 @@ def aot_site(tmp_path_factory):
     Installed from a copy of the checkout: setuptools builds in ``<source>/build``, so two
     suites run at once from one checkout (e.g. both Paddle versions) would collide there."""
     base = tmp_path_factory.mktemp("aot")
-    source = base / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".nox", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-        ".hypothesis"))
+    source = _checkout_copy(base / "source")
     target = base / "site"
     r = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
@@ -120,6 +127,8 @@ def aot_site(tmp_path_factory):
     return target
 
 
+@pytest.mark.heavy
+@pytest.mark.xdist_group("aot_site")  # one AOT install, one worker
 def test_ahead_of_time_build_needs_no_compile_at_runtime(tmp_path, aot_site):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -133,6 +142,8 @@ def test_ahead_of_time_build_needs_no_compile_at_runtime(tmp_path, aot_site):
     assert os.listdir(cache) == []  # nothing built into the user cache
 
 
+@pytest.mark.heavy
+@pytest.mark.xdist_group("aot_site")  # one AOT install, one worker
 def test_tampered_prebuilt_library_is_not_loaded(tmp_path, aot_site):
     """The prebuilt module gets the same verification: a replaced library in
     ``_prebuilt/<key>`` never runs; one warning; the JIT cache serves the op."""
@@ -159,14 +170,16 @@ def test_tampered_prebuilt_library_is_not_loaded(tmp_path, aot_site):
 def test_plain_install_after_an_ahead_of_time_build_ships_no_binaries(tmp_path):
     """pip builds in the source tree's build/: a _prebuilt left there by an AOT build must not
     end up in a later plain (JIT) install (it silently skipped the first-use build)."""
-    stale = os.path.join(ROOT, "build", "lib", "paddle_mgrad", "_prebuilt", "stale")
+    source = _checkout_copy(tmp_path / "source")
+    stale = os.path.join(source, "build", "lib", "paddle_mgrad", "_prebuilt", "stale")
     os.makedirs(stale, exist_ok=True)
     open(os.path.join(stale, ".complete"), "w").close()
     target = tmp_path / "site"
     env = {k: v for k, v in os.environ.items() if k != "PADDLE_MGRAD_BUILD_OPS"}
     r = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-         "--target", str(target), ROOT], capture_output=True, text=True, timeout=900, env=env)
+         "--target", str(target), str(source)], capture_output=True, text=True, timeout=900,
+        env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (target / "paddle_mgrad" / "_csrc").is_dir()
     assert not (target / "paddle_mgrad" / "_prebuilt").exists()
@@ -217,6 +230,7 @@ def _compiler_at_work(cache):
     return any(n.endswith(".o") for _, _, names in os.walk(cache) for n in names)
 
 
+@pytest.mark.heavy
 def test_build_killed_half_way_then_restart(tmp_path):
     """kill -9 while the compiler runs, restart at once: the orphaned compiler keeps writing into
     its own private directory; the restart builds in a fresh one (discarding the orphan's) and

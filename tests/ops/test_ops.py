@@ -267,6 +267,7 @@ CHECK = """
 """
 
 
+@pytest.mark.heavy
 def test_portable_cpu_path_without_onednn(tmp_path):
     """The build for machines without oneDNN (blocked OpenMP GEMM) is correct too."""
     r = _run_isolated(CHECK, {"PADDLE_MGRAD_NO_ONEDNN": "1", "PADDLE_MGRAD_CACHE": str(tmp_path),
@@ -901,6 +902,7 @@ ISA_CAPPED_TESTS = [
 ]
 
 
+@pytest.mark.heavy
 def test_bf16_and_fp16_paths_with_onednn_capped_at_avx2():
     """ONEDNN_MAX_CPU_ISA=AVX2 in a subprocess: the op reports no native bf16 (oneDNN will not
     use it), auto picks the widen path, and the bf16/fp16 tests above pass there as well."""

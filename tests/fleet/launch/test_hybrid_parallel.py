@@ -24,6 +24,10 @@ sys.path.insert(0, HERE)
 from launching import launch_two_ranks, run  # noqa: E402
 from train_hybrid import ACC, STEPS  # noqa: E402
 
+# 2-rank launches (heavy: dealt first under xdist); one worker runs the module, so that the
+# module-scoped one-process reference runs once
+pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("fleet_hybrid_reference")]
+
 TIMEOUT = int(os.environ.get("PADDLE_MGRAD_DIST_TIMEOUT", "420"))
 TOL = 1e-5
 LAYERS = 2  # decoder layers of the tiny llama

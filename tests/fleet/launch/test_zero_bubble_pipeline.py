@@ -21,6 +21,10 @@ sys.path.insert(0, HERE)
 from launching import launch_two_ranks, run  # noqa: E402
 from train_dualpipev import ACC, CONFIGS, N_BLOCKS, STEPS  # noqa: E402
 
+# 2-rank launches (heavy: dealt first under xdist); one worker runs the module, so that the
+# module-scoped one-process reference runs once
+pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("fleet_dualpipev_reference")]
+
 
 def _paddle_has_dualpipev():
     import zlib  # noqa: F401  (before paddle on 2.6)
