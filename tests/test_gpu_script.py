@@ -92,7 +92,7 @@ def test_new_flags_and_items():
     assert a.no_sanitizer and a.budget == 200.0 and not a.sanitize_case
     assert gpu.parse_args([]).budget < 300  # the whole run fits the 5 minutes
     assert gpu.ITEMS == ["build", "values", "offsets", "bias", "streams", "graph", "fp64",
-                         "capability", "checks", "sanitizer", "speed"]
+                         "capability", "checks", "bias-order", "pressure", "sanitizer", "speed"]
     assert gpu.TARGET_VS_GEMM == 1.05 and gpu.TARGET_BIAS == 1.03
 
 
@@ -178,3 +178,36 @@ def test_cpu_library_carries_the_decisions_and_no_cuda(tmp_path):
 
     with pytest.raises(AttributeError):
         core.lib.pmg_wgrad_cuda_ex  # noqa: B018  (the CUDA entry points exist only with CUDA)
+
+
+def test_bias_path_shapes_are_the_ones_issue_27_is_about():
+    """LoRA-narrow N, a LoRA K, MoE experts (small M*N) and a large M -- each small K*N against M,
+    where cuBLASLt splits K -- timed per bias path in the same run as the four main shapes."""
+    shapes = dict(gpu.BIAS_PATH_SHAPES)
+    assert set(shapes) == {"lora-A", "lora-B", "moe-expert", "moe-small", "large-M"}
+    assert shapes["lora-A"][2] <= 64 and shapes["lora-B"][1] <= 64
+    assert all(t * n <= 2 ** 20 for t, _, n in (shapes["moe-expert"], shapes["moe-small"]))
+    assert shapes["large-M"][0] >= 65536
+    # what the rows cost on the GPU: 6 timings x (3 + repeat) calls each, well inside the budget
+    flops = sum(2.0 * t * k * n for t, k, n in shapes.values())
+    assert flops * 6 * 33 / 300e12 < 5.0  # seconds at a (pessimistic) 300 TFLOP/s
+
+
+def test_the_table_shows_the_bias_path_rows():
+    row = {"name": "lora-A", "shape": [16384, 4096, 16], "bf16_gemm_ms": 0.05, "ours_ms": 0.05,
+           "colsum_ms": 0.01, "auto_ms": 0.06, "auto_path": "kernel", "kernel_ms": 0.06,
+           "epilogue_ms": 0.09, "auto_vs_best_forced": 1.0, "bias_kernel_GBps": 2600.0}
+    lines = gpu.table({"checks": [], "bench": [], "bias_paths": [row, dict(row, epilogue_ms=None)]}).splitlines()
+    rows = [ln for ln in lines if "lora-A 16384x4096x16" in ln]
+    assert len(rows) == 2 and "kernel" in rows[0] and "2600" in rows[0] and rows[1].split()[7] == "-"
+
+
+def test_the_script_is_a_small_package_of_modules():
+    """issue 25: the 1.1k-line script is split by concern; the command line stays the script's."""
+    pkg = os.path.join(os.path.dirname(PATH), "pmg_gpu_bench")
+    names = sorted(f for f in os.listdir(pkg) if f.endswith(".py"))
+    assert names == ["__init__.py", "build.py", "capi.py", "checks.py", "report.py", "sanitizer.py",
+                     "shapes.py", "timing.py"]
+    for f in names + [os.path.join("..", "bench_wgrad_gpu.py")]:
+        with open(os.path.join(pkg, f)) as fh:
+            assert len(fh.read().splitlines()) <= 520, f
