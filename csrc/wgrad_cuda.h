@@ -23,8 +23,10 @@ struct CudaExec {
   void* stream = nullptr;     // cudaStream_t on `device` (null: the legacy default stream)
   // Scratch, in this order of preference: `workspace` when at least the needed bytes; else
   // `alloc`; else (neither given) stream-ordered cudaMallocAsync/cudaFreeAsync on `stream`,
-  // which CUDA-graph capture records as memory nodes.  A `workspace` that is too small
-  // without `alloc` is an error (before any write).
+  // which CUDA-graph capture records as memory nodes.  When the scratch cannot be had (a
+  // `workspace` too small without `alloc`, `alloc` returning null, cudaMallocAsync failing) the
+  // call is planned again without cuBLASLt workspace and tried once more; then it is an error
+  // (before any write).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   WorkspaceAllocFn alloc = nullptr;

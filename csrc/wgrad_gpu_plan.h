@@ -1,10 +1,13 @@
 // The GPU path's decisions, as plain functions with no CUDA and no Paddle.
 //
-// Everything the CUDA core (wgrad_cuda.cu) and the Paddle binding's GPU branch
-// (wgrad_gpu_flow.h) decide -- pointer alignments for cuBLASLt, whether the
-// compiled kernels can run on a GPU, which bias-gradient path runs, the
-// workspace layout, whether every input is on the same device, the
-// PADDLE_MGRAD_CUDA_BIAS setting -- lives here.  This file is compiled into
+// Everything the CUDA core (wgrad_cuda.cu, in the order of wgrad_cuda_flow.h) and the
+// Paddle binding's GPU branch (wgrad_gpu_flow.h) decide -- pointer alignments for
+// cuBLASLt, whether the compiled kernels and the CUDA libraries can run on a GPU, which
+// bias-gradient path runs (before and after cuBLASLt's heuristic), the bias kernel's grid
+// and order (with a CPU reference), the workspace layout and the retry without cuBLASLt
+// workspace, whether every input is on the same device, the C ABI's checks, the
+// heuristic's row buckets, the algorithm cache's bound, the PADDLE_MGRAD_CUDA_BIAS
+// setting -- lives here.  This file is compiled into
 // every build (CPU ones too), so the CPU test suite reaches each decision
 // through the C ABI (wgrad_capi.cc) without a GPU.
 #pragma once
