@@ -70,8 +70,8 @@ def table(report):
                 f"{'':10s} {r['name'] + ' ' + 'x'.join(map(str, r['shape'])):>22s} "
                 f"{ms(r['bf16_gemm_ms'])} {ms(r['ours_ms'])} {ms(r.get('auto_ms'))} "
                 f"{str(r.get('auto_path')):>9s} {ms(r.get('kernel_ms'))} {ms(r.get('epilogue_ms'))} "
-                f"{ms(r['colsum_ms'])} {best if best is None else f'{best:9.3f}':>9} "
-                f"{gbps if gbps is None else f'{gbps:9.0f}':>9}")
+                f"{ms(r['colsum_ms'])} {'-' if best is None else f'{best:.3f}':>9} "
+                f"{'-' if gbps is None else f'{gbps:.0f}':>9}")
     return "\n".join(lines)
 
 

@@ -1,10 +1,9 @@
 """The speed rows: median CUDA-event times of ours against the bare GEMM in the same process."""
 from __future__ import annotations
 
+import re
 import statistics
 import time
-
-import re
 
 from .capi import CoreError, info_field
 from .report import speed_verdict
@@ -22,7 +21,6 @@ class _CpuEvent:
 
     def elapsed_time(self, end):
         return (end.t - self.t) * 1e3
-
 
 
 def time_fn(bench, fn, stream=None):
@@ -56,13 +54,13 @@ def speed(bench):
         mg = torch.zeros(K, N, device=bench.dev, dtype=torch.float32)
         db = torch.zeros(N, device=bench.dev)
         flop = 2.0 * T * K * N
-        t_gemm = bench.time_fn(lambda: torch.matmul(x.T, dy))
-        t_ours = bench.time_fn(lambda: bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws))
-        t_bias = bench.time_fn(lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws))
+        t_gemm = time_fn(bench, lambda: torch.matmul(x.T, dy))
+        t_ours = time_fn(bench, lambda: bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws))
+        t_bias = time_fn(bench, lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws))
         info = bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws)
-        t_kern = t_bias if bench.sim else bench.time_fn(
+        t_kern = t_bias if bench.sim else time_fn(bench, 
             lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode="kernel", **ws))
-        t_unf = bench.time_fn(lambda: mg.add_(torch.matmul(x.T, dy).float()))
+        t_unf = time_fn(bench, lambda: mg.add_(torch.matmul(x.T, dy).float()))
         row = {"shape": [T, K, N], "ours_ms": t_ours, "ours_with_bias_ms": t_bias,
                "ours_bias_kernel_ms": t_kern, "bf16_gemm_ms": t_gemm, "unfused_ms": t_unf,
                "ours_tflops": flop / t_ours / 1e9, "ours_vs_gemm": t_ours / t_gemm,
