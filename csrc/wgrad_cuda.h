@@ -23,8 +23,10 @@ struct CudaExec {
   void* stream = nullptr;     // cudaStream_t on `device` (null: the legacy default stream)
   // Scratch, in this order of preference: `workspace` when at least the needed bytes; else
   // `alloc`; else (neither given) stream-ordered cudaMallocAsync/cudaFreeAsync on `stream`,
-  // which CUDA-graph capture records as memory nodes.  A `workspace` that is too small
-  // without `alloc` is an error (before any write).
+  // which CUDA-graph capture records as memory nodes.  When the scratch cannot be had (a
+  // `workspace` too small without `alloc`, `alloc` returning null, cudaMallocAsync failing) the
+  // call is planned again without cuBLASLt workspace and tried once more; then it is an error
+  // (before any write).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   WorkspaceAllocFn alloc = nullptr;
@@ -44,7 +46,10 @@ struct CudaReport {
   size_t workspace_bytes = 0;   // bytes used (0: none)
   const char* workspace_from = "none";  // "caller", "allocator", "stream-ordered" or "none"
   bool algo_cached = false;     // the algorithm came from the cache
-  // One line, e.g. "cap=90 bias=epilogue align=256,2,256,256 workspace=1024@caller cached=1".
+  bool workspace_retry = false; // the scratch could not be had: planned again without
+                                // cuBLASLt workspace (issue 27, item 3)
+  // One line, e.g.
+  // "cap=90 bias=epilogue align=256,2,256,256 workspace=1024@caller cached=1 ws_retry=0".
   std::string text() const {
     std::string s = "cap=" + std::to_string(capability) + " bias=" + bias_path_name(bias);
     if (!bias_why.empty()) s += " (" + bias_why + ")";
@@ -52,6 +57,7 @@ struct CudaReport {
          std::to_string(align[2]) + "," + std::to_string(align[3]);
     s += " workspace=" + std::to_string(workspace_bytes) + "@" + workspace_from;
     s += std::string(" cached=") + (algo_cached ? "1" : "0");
+    s += std::string(" ws_retry=") + (workspace_retry ? "1" : "0");
     return s;
   }
 };
@@ -69,7 +75,8 @@ std::string wgrad_cuda(const WgradArgs& a, const CudaExec& exec, CudaReport* rep
 // The code targets this build carries, e.g. "sm_80+sm_90+compute_90".
 const char* cuda_targets();
 
-// Process-wide counts of bias gradients by path, and the last call's report (one line).
+// Process-wide counts of bias gradients by path, of calls that planned again without cuBLASLt
+// workspace (workspace_retries), and the last call's report (one line).
 std::string cuda_stats();
 
 }  // namespace pmg

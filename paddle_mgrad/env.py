@@ -137,7 +137,8 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("PADDLE_MGRAD_CUDA_BIAS", "auto (default), epilogue or kernel",
          _choice("auto", "epilogue", "kernel"), "auto",
          "how the CUDA op computes the bias gradient: cuBLASLt's epilogue fused into the GEMM "
-         "where it applies (auto), only that (epilogue), or the deterministic kernel (kernel)"),
+         "where it applies and costs the GEMM nothing, else the deterministic kernel (auto), only "
+         "the epilogue (epilogue), or only the kernel (kernel)"),
     Knob("PADDLE_MGRAD_DETERMINISM_CHECK", "shapes (default), values or none",
          _choice("shapes", "values", "none"), "shapes",
          "how recomputation is checked against the forward pass"),

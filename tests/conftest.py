@@ -111,3 +111,29 @@ def _clean_state():
     yield
     paddle_mgrad.disable()
 
+
+
+def bench_module():
+    """benchmarks/gpu/bench_wgrad_gpu.py, loaded by path (it is a script, not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_wgrad_gpu_for_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def capi(tmp_path_factory):
+    """The C ABI of the shipped op module (the GPU path's decisions, the fake host and the fake
+    GPU are compiled into every build); built with the benchmark's g++ line when the op is not
+    built here."""
+    from paddle_mgrad import ops
+    from paddle_mgrad.ops import _build
+
+    g = bench_module()
+    module = ops.load()
+    path = _build.library_path(module) if module is not None else \
+        g.build(str(tmp_path_factory.mktemp("capi")), cuda=False)
+    return g.Core(path, cuda=False)

@@ -100,7 +100,7 @@ def test_new_flags_and_items():
     assert a.no_sanitizer and a.budget == 200.0 and not a.sanitize_case
     assert gpu.parse_args([]).budget < 300  # the whole run fits the 5 minutes
     assert gpu.ITEMS == ["build", "values", "offsets", "bias", "streams", "graph", "fp64",
-                         "capability", "checks", "sanitizer", "speed"]
+                         "capability", "checks", "bias-order", "pressure", "sanitizer", "speed"]
     assert gpu.TARGET_VS_GEMM == 1.05 and gpu.TARGET_BIAS == 1.03
 
 
@@ -186,3 +186,120 @@ def test_cpu_library_carries_the_decisions_and_no_cuda(cpu_core_library):
 
     with pytest.raises(AttributeError):
         core.lib.pmg_wgrad_cuda_ex  # noqa: B018  (the CUDA entry points exist only with CUDA)
+
+
+def test_bias_path_shapes_are_the_ones_issue_27_is_about():
+    """LoRA-narrow N, a LoRA K, MoE experts (small M*N) and a large M -- each small K*N against M,
+    where cuBLASLt splits K -- timed per bias path in the same run as the four main shapes."""
+    shapes = dict(gpu.BIAS_PATH_SHAPES)
+    assert set(shapes) == {"lora-A", "lora-B", "moe-expert", "moe-small", "large-M"}
+    assert shapes["lora-A"][2] <= 64 and shapes["lora-B"][1] <= 64
+    assert all(t * n <= 2 ** 20 for t, _, n in (shapes["moe-expert"], shapes["moe-small"]))
+    assert shapes["large-M"][0] >= 65536
+    # what the rows cost on the GPU: 6 timings x (3 + repeat) calls each, well inside the budget
+    flops = sum(2.0 * t * k * n for t, k, n in shapes.values())
+    assert flops * 6 * 33 / 300e12 < 5.0  # seconds at a (pessimistic) 300 TFLOP/s
+
+
+def test_the_table_shows_the_bias_path_rows():
+    row = {"name": "lora-A", "shape": [16384, 4096, 16], "bf16_gemm_ms": 0.05, "ours_ms": 0.05,
+           "colsum_ms": 0.01, "auto_ms": 0.06, "auto_path": "kernel", "kernel_ms": 0.06,
+           "epilogue_ms": 0.09, "auto_vs_best_forced": 1.0, "bias_kernel_GBps": 2600.0}
+    lines = gpu.table({"checks": [], "bench": [], "bias_paths": [row, dict(row, epilogue_ms=None)]}).splitlines()
+    rows = [ln for ln in lines if "lora-A 16384x4096x16" in ln]
+    assert len(rows) == 2 and "kernel" in rows[0] and "2600" in rows[0] and rows[1].split()[7] == "-"
+
+
+def test_the_script_is_a_small_package_of_modules():
+    """issue 25: the 1.1k-line script is split by concern; the command line stays the script's."""
+    pkg = os.path.join(os.path.dirname(PATH), "pmg_gpu_bench")
+    names = sorted(f for f in os.listdir(pkg) if f.endswith(".py"))
+    assert names == ["__init__.py", "build.py", "capi.py", "checks.py", "report.py", "sanitizer.py",
+                     "shapes.py", "timing.py"]
+    for f in names + [os.path.join("..", "bench_wgrad_gpu.py")]:
+        with open(os.path.join(pkg, f)) as fh:
+            assert len(fh.read().splitlines()) <= 520, f
+
+
+class _FakeArray(np.ndarray):
+    """Enough of a torch tensor for the timing rows (numpy underneath)."""
+
+    def add_(self, other):
+        self += other
+        return self
+
+    def data_ptr(self):
+        return self.ctypes.data
+
+    def numel(self):
+        return self.size
+
+    def float(self):
+        return self.astype(np.float32).view(_FakeArray)
+
+    def sum(self, axis=None, dtype=None, **kw):
+        return np.ndarray.sum(self, axis=axis, dtype=np.float32 if dtype is not None else None)
+
+
+def _fake_torch():
+    import types
+
+    def make(*shape, device=None, dtype=None):
+        return np.zeros(shape, np.float32).view(_FakeArray)
+
+    cuda = types.SimpleNamespace(empty_cache=lambda: None, _sleep=None)
+    return types.SimpleNamespace(randn=make, zeros=make, empty=lambda n, dtype=None, device=None:
+                                 np.zeros(n, np.uint8).view(_FakeArray),
+                                 matmul=lambda a, b: (a @ b).view(_FakeArray), bfloat16="bf16",
+                                 float32="f32", uint8="u8", cuda=cuda)
+
+
+class _FakeBench:
+    """The attributes timing.py uses, with a core that answers like the CUDA core's report."""
+
+    def __init__(self, sim):
+        import types
+
+        self.sim, self.torch, self.dev, self.report = sim, _fake_torch(), "cpu", {"checks": [], "bench": []}
+        self.args = types.SimpleNamespace(repeat=2, bench_shapes=[(8, 4, 2)])
+        self.sync = lambda: None
+        self.calls = []
+
+    def call(self, x, dy, dw, db, dw_beta, db_beta, in_dtype, **ex):
+        mode = ex.get("bias_mode", "auto")
+        self.calls.append((x.shape, db is not None, mode, "workspace" in ex))
+        if mode == "epilogue" and x.shape[1] == 16:
+            raise gpu.CoreError("PADDLE_MGRAD_CUDA_BIAS=epilogue, but it cannot apply: fake")
+        path = "none" if db is None else ("kernel (the epilogue's algorithm (0.30 waves) is not ...)"
+                                          if mode != "epilogue" else "epilogue")
+        return f"cap=90 bias={path} align=256,256,256,256 workspace=0@caller cached=1 ws_retry=0"
+
+    def add(self, item, case, ok, detail="", **extra):
+        self.report["checks"].append({"item": item, "case": case, "ok": bool(ok), "detail": detail})
+
+    def skip(self, item, why):
+        self.report["checks"].append({"item": item, "case": "-", "ok": None, "detail": why})
+
+
+def test_timing_rows_run_on_a_fake_gpu(monkeypatch):
+    """The speed and bias-path rows end to end on a fake torch and core (CPU timer): every shape,
+    every bias path, a refused epilogue recorded, auto's path and reason parsed, the table."""
+    timing = gpu.timing
+    monkeypatch.setattr(timing, "BIAS_PATH_SHAPES", [("lora-B", (64, 16, 32)), ("moe", (32, 8, 16))])
+    monkeypatch.setattr(timing, "_CpuEvent", timing._CpuEvent)
+    b = _FakeBench(sim=True)
+    timing.speed(b)
+    assert len(b.report["bench"]) == 1 and b.report["bench"][0]["shape"] == [8, 4, 2]
+    b = _FakeBench(sim=False)
+    monkeypatch.setattr(timing, "time_fn", lambda bench, fn, stream=None: (fn(), 0.5)[1])
+    timing.bias_paths(b)
+    rows = b.report["bias_paths"]
+    assert [r["name"] for r in rows] == ["lora-B", "moe"]
+    assert rows[0]["epilogue_ms"] is None and "cannot apply" in rows[0]["epilogue_error"]
+    assert rows[1]["epilogue_ms"] == 0.5 and rows[0]["auto_path"] == "kernel"
+    assert rows[0]["auto_why"].startswith("the epilogue's algorithm")
+    assert rows[1]["auto_vs_best_forced"] == 1.0 and all(c[3] for c in b.calls)  # caller workspace
+    assert {c[2] for c in b.calls} == {"auto", "kernel", "epilogue"}
+    assert [c["ok"] for c in b.report["checks"]] == [True, True]
+    text = gpu.table(b.report)
+    assert "lora-B 64x16x32" in text and "moe 32x8x16" in text

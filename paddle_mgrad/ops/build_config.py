@@ -48,7 +48,7 @@ CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_gpu_plan.cc"]
 PADDLE_SOURCES = ["wgrad_op.cc"]                # the Paddle binding (PD_BUILD_OP)
 CAPI_SOURCES = ["wgrad_capi.cc"]                # C ABI for ctypes (benchmarks, no-GPU checks)
 CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) + bias reduction
-HEADERS = ["wgrad_core.h", "wgrad_cuda.h", "wgrad_gpu_plan.h", "wgrad_gpu_flow.h"]
+HEADERS = ["wgrad_core.h", "wgrad_cuda.h", "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h"]
 
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 LD_FLAGS = ["-fopenmp"]

@@ -406,27 +406,6 @@ def test_gpu_capabilities_reads_paddle_and_survives_cpu_paddle(monkeypatch):
 
 
 # ------------------------------------------------------------------ the core's decisions (C ABI)
-def _bench_module():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu", "bench_wgrad_gpu.py")
-    spec = importlib.util.spec_from_file_location("bench_wgrad_gpu_for_paths", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def capi(tmp_path_factory):
-    """The C ABI of the shipped op module (its decisions are compiled into every build); built
-    with the benchmark's g++ line when the op is not built here."""
-    g = _bench_module()
-    module = ops.load()
-    path = _build.library_path(module) if module is not None else \
-        g.build(str(tmp_path_factory.mktemp("capi")), cuda=False)
-    return g.Core(path, cuda=False)
-
-
 def test_pointer_alignment_for_cublaslt(capi):
     al = capi.lib.pmg_pointer_alignment
     assert al(0) == 256 and al(0x7F0000001000) == 256 and al(0x7F0000001100) == 256
@@ -500,13 +479,14 @@ def test_workspace_plan(capi):
     e = _plan(capi, 1)  # epilogue: cuBLASLt's bytes, then N fp32 for the bias gradient
     assert e["tmp_offset"] == 1024 and e["tmp_bytes"] == 4000 and e["total"] == 1024 + 4096
     assert e["request"] == e["total"] + 255 and e["splits"] == 0 and e["partial_bytes"] == 0
-    k = _plan(capi, 2)  # kernel: partial sums, the GPU filled ~4x, >= 64 rows a slice
-    assert k["splits"] == min(4 * 132 // 4, 4096 // 64) and k["partial_offset"] == 1024
+    k = _plan(capi, 2)  # kernel: partial sums; N = 1000 is one column block: >= 64 rows a slice
+    assert k["splits"] == 4096 // 64 and k["partial_offset"] == 1024
     assert k["partial_bytes"] == k["splits"] * 1000 * 4
     assert _plan(capi, 2, in_dtype=3)["partial_bytes"] == k["splits"] * 1000 * 8  # fp64 sums
     assert _plan(capi, 2, M=0, gemm_ws=0)["request"] == 0  # no rows: nothing to allocate
     assert _plan(capi, 0, gemm_ws=0)["request"] == 0
-    assert _plan(capi, 2, M=10 ** 6, N=10 ** 7)["splits"] == 1  # a huge N: one slice, no cap
+    assert _plan(capi, 2, M=10 ** 6, N=10 ** 7)["splits"] == 1  # a huge N: partials <= 64 MiB
+    assert _plan(capi, 2, M=10 ** 6, N=14336)["splits"] == -(-10 ** 6 // 4096)  # <= 4096 rows each
     for p in (_plan(capi, 1, gemm_ws=777), _plan(capi, 2, gemm_ws=5000)):
         assert all(p[k] % 256 == 0 for k in ("gemm_offset", "tmp_offset", "partial_offset", "total"))
 
@@ -548,15 +528,22 @@ def test_every_input_must_be_on_xs_device(capi):
 
 # ------------------------------------------------------------------ the binding's GPU branch
 def _flow(capi, places=((1, 1), (1, 1), (1, 1), (1, 1)), has_dweight=True, has_bias=True,
-          has_dbias=True, env=None, current=0, fail=0, in_dtype=1):
+          has_dbias=True, env=None, current=0, fail=0, in_dtype=1, shape=(2, 2, 2), report=False,
+          **gpu):
+    """The binding's GPU branch on the fake host, the core's steps on a fake GPU (`gpu`: fields
+    of FakeGpuConfig) -> (rc, steps, error[, the core's report line])."""
     n = 2 + int(has_dweight) + int(has_bias and has_dbias)
     spec = list(places)[:n]
     kinds = (ctypes.c_int * 4)(*[k for k, _ in spec] + [0] * (4 - n))
     devs = (ctypes.c_int * 4)(*[d for _, d in spec] + [0] * (4 - n))
-    trace, err = ctypes.create_string_buffer(1024), ctypes.create_string_buffer(512)
-    rc = capi.lib.pmg_fake_gpu_flow(kinds, devs, int(has_dweight), int(has_bias), int(has_dbias),
-                                    in_dtype, env, current, fail, trace, len(trace), err, len(err))
-    return rc, trace.value.decode().split(), err.value.decode()
+    trace, rep, err = (ctypes.create_string_buffer(2048) for _ in range(3))
+    cfg = type(capi).FakeGpuConfig(**gpu)
+    M, K, N = shape
+    rc = capi.lib.pmg_fake_gpu_flow_ex(kinds, devs, int(has_dweight), int(has_bias), int(has_dbias),
+                                       in_dtype, M, K, N, env, current, fail, ctypes.byref(cfg),
+                                       trace, len(trace), rep, len(rep), err, len(err))
+    out = (rc, trace.value.decode().split(), err.value.decode())
+    return out + (rep.value.decode(),) if report else out
 
 
 def test_binding_enters_the_device_guard_before_stream_and_allocations(capi):
@@ -567,8 +554,9 @@ def test_binding_enters_the_device_guard_before_stream_and_allocations(capi):
     assert rc == 0, err
     assert steps[:5] == ["guard(1)", "stream(1)", "alloc-dweight(1)", "alloc-dbias(1)",
                          "core(device=1,stream=1,bias=auto)"]
-    assert steps[5].startswith("workspace(") and steps[5].endswith("@1)")  # N fp32 for BGRADA
-    assert steps[6:] == ["unguard(0)"]
+    assert steps[5:7] == ["heuristic(epilogue,M=2,ws<=33554432)", "heuristic(plain,M=2,ws<=33554432)"]
+    assert steps[7] == "workspace(511@1)"  # 2 fp32 for BGRADA (256 bytes + 255 to align), gpu:1
+    assert steps[8:] == ["launch(bias=epilogue,gemm_ws=0,splitk=1,splits=0)", "unguard(0)"]
 
 
 def test_binding_accumulates_into_given_outputs_without_allocating(capi):
@@ -598,9 +586,58 @@ def test_binding_failures_stop_the_flow_where_they_happen(capi):
     assert rc == 1 and steps == ["guard-failed"] and "gpu:1" in err
     rc, steps, err = _flow(capi, fail=2, current=0)  # Paddle's allocator said no
     assert rc == 1 and "could not allocate" in err and steps[-1] == "unguard(0)"
-    assert steps[-2].startswith("workspace(")
+    assert steps[-2].startswith("workspace(") and not [s for s in steps if s.startswith("launch")]
     rc, steps, err = _flow(capi, fail=4, current=0)
     assert rc == 1 and err == "fake core failure" and steps[-1] == "unguard(0)"
+
+
+def _plan_request(capi, path, M, K, N, gemm_ws, sms=132):
+    out = (ctypes.c_int64 * 8)()
+    capi.lib.pmg_plan_workspace(1, M, K, N, path, gemm_ws, sms, out)
+    return out[7]
+
+
+def test_fake_scratch_follows_the_path_chosen_after_the_heuristic(capi):
+    """issue 27 item 7: the fake sizes scratch from the core's final plan -- the chosen
+    algorithm's GEMM workspace plus the epilogue's buffer, or, when the heuristic's plain GEMM
+    splits K, the bias kernel's partial sums -- not from the first bias choice."""
+    M, K, N = 4096, 64, 64
+    rc, steps, err = _flow(capi, shape=(M, K, N), gemm_workspace=4096)
+    assert rc == 0 and f"workspace({_plan_request(capi, 1, M, K, N, 4096)}@1)" in steps, steps
+    rc, steps, err, rep = _flow(capi, shape=(M, K, N), gemm_workspace=4096, report=True,
+                                plain_algo=21, plain_splitk=4, epi_waves=0.25, plain_waves=0.9)
+    kernel = _plan_request(capi, 2, M, K, N, 4096)
+    assert rc == 0 and f"workspace({kernel}@1)" in steps and "bias=kernel" in rep, (steps, rep)
+    assert [s for s in steps if s.startswith("launch")][0].startswith("launch(bias=kernel,gemm_ws=4096,splitk=4")
+    rc, steps, err, rep = _flow(capi, shape=(M, K, N), sms=8, report=True, plain_splitk=4,
+                                plain_algo=21)  # fewer SMs: fewer slices, smaller scratch
+    assert f"workspace({_plan_request(capi, 2, M, K, N, 0, sms=8)}@1)" in steps
+
+
+def test_memory_pressure_through_the_hosts_allocator(capi):
+    """The allocator cannot give cuBLASLt's workspace: the core re-plans without it and asks
+    Paddle's allocator again, on the guarded device; report ws_retry=1."""
+    M, K, N = 4096, 64, 64
+    big, small = (_plan_request(capi, 1, M, K, N, ws) for ws in (1 << 22, 0))
+    rc, steps, err, rep = _flow(capi, shape=(M, K, N), gemm_workspace=1 << 22, alloc_limit=small,
+                                report=True)
+    assert rc == 0, err
+    i = steps.index(f"alloc-failed({big})")
+    assert steps[i + 1:i + 3] == ["heuristic(epilogue,M=4096,ws<=0)", "heuristic(plain,M=4096,ws<=0)"]
+    assert steps[i + 3] == f"workspace({small}@1)" and "ws_retry=1" in rep
+    rc, steps, err = _flow(capi, shape=(M, K, N), gemm_workspace=1 << 22, fail=2)  # none at all
+    assert rc == 1 and "nor" in err and "without cuBLASLt workspace" in err
+    assert len([s for s in steps if s.startswith("workspace(")]) == 2 and steps[-1] == "unguard(0)"
+
+
+@pytest.mark.parametrize("bit,where", [(8, "allocate_outputs"), (16, "the core")])
+def test_exception_inside_the_device_guard_restores_the_device(capi, bit, where):
+    """Paddle's PD_CHECK and allocator throw: the guard's destructor restores the caller's
+    device while the exception unwinds, and the exception's text reaches the caller."""
+    rc, steps, err = _flow(capi, fail=bit, current=0)
+    assert rc == 1 and err == f"exception: fake exception from {where}"
+    assert steps[0] == "guard(1)" and steps[-2:] == ["throw", "unguard(0)"]
+    assert not [s for s in steps if s.startswith(("launch", "workspace("))]
 
 
 # ------------------------------------------------------------------ overlap linears (item 6)
