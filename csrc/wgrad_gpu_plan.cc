@@ -14,16 +14,6 @@ uint32_t pointer_alignment(const void* p) {
   return align;
 }
 
-size_t dtype_bytes(DType t) {
-  switch (t) {
-    case DType::kF32: return 4;
-    case DType::kF64: return 8;
-    case DType::kBF16:
-    case DType::kF16: return 2;
-  }
-  return 4;
-}
-
 std::string check_element_alignment(const WgradArgs& a) {
   const bool gemm = a.dw != nullptr && a.M > 0 && a.K > 0 && a.N > 0;
   const bool bias = a.db != nullptr && a.M > 0 && a.N > 0;
