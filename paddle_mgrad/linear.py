@@ -31,9 +31,9 @@ Holding the parameter costs nothing: the model holds it anyway.
 """
 from __future__ import annotations
 
-from .autograd import passes as autograd_passes, backward_errors, param_hooks
 from . import ops, registry, stats
 from ._compat import is_tensor, paddle, tracer
+from .autograd import backward_errors, param_hooks, passes as autograd_passes
 from .errors import FusedLinearError
 from .registry import original
 

@@ -1,8 +1,7 @@
-import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
-
 import os
 import subprocess
 import sys
+import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
 import numpy as np
 import paddle

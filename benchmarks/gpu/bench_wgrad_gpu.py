@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import json
 import os
@@ -234,7 +235,7 @@ def compile_only(build_dir):
         except CoreError as e:
             print(f"CUDA call without a GPU failed cleanly: {e}", flush=True)
             if "cuda" not in str(e).lower():
-                raise RuntimeError(f"unexpected error text from the CUDA core: {e}")
+                raise RuntimeError(f"unexpected error text from the CUDA core: {e}") from e
 
 
 def build(build_dir, cuda=True, targets=None):
@@ -567,7 +568,7 @@ class Bench:
                 acc = "float64" if in_dtype == "float64" else "float32"
                 bufs = {}
 
-                def make(name, shape, dtype):
+                def make(name, shape, dtype, off=off, moved=moved, bufs=bufs):
                     o = off if name in moved else 0
                     buf, v = self.offset_view(shape, dtype, o, self.randn(shape, dtype))
                     bufs[name] = (buf, o, v)
@@ -668,7 +669,7 @@ class Bench:
             cur.wait_stream(s2)
             self.sync()
             oks, details = [], []
-            for ((M, K, N), dt, x, dy, mg, db, w0, b0) in probs:
+            for ((M, _K, _N), dt, x, dy, mg, db, w0, b0) in probs:
                 prod, absprod, colsum, abscolsum = self.reference(x, dy)
                 okw, rw, _ = self.compare(mg, prod, absprod, w0, M, "float32", dt, 3)
                 okb, rb, _ = self.compare(db, colsum, abscolsum, b0, M, "float32", dt, 3)
@@ -746,7 +747,7 @@ class Bench:
         for mode in ("auto", "kernel"):
             self.untouched_error(
                 "capability", f"simulated sm_70, bias {mode}", "sm_70",
-                lambda: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", sim=70, bias_mode=mode),
+                lambda mode=mode: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", sim=70, bias_mode=mode),
                 mg, db)
         try:  # without bias only cuBLASLt runs (its own kernels): no refusal
             ok, detail, _ = self.accumulate("bfloat16", (M, K, N), False, x=x, dy=dy, calls=1, sim=70)
@@ -830,13 +831,15 @@ class Bench:
             mg = torch.zeros(K, N, device=self.dev, dtype=torch.float32)
             db = torch.zeros(N, device=self.dev)
             flop = 2.0 * T * K * N
-            t_gemm = self.time_fn(lambda: torch.matmul(x.T, dy))
-            t_ours = self.time_fn(lambda: self.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws))
-            t_bias = self.time_fn(lambda: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws))
+            # each timed call binds this shape's tensors (partial, default arguments)
+            call = functools.partial(self.call, x, dy, mg)
+            t_gemm = self.time_fn(lambda x=x, dy=dy: torch.matmul(x.T, dy))
+            t_ours = self.time_fn(functools.partial(call, None, 1.0, 1.0, "bfloat16", **ws))
+            t_bias = self.time_fn(functools.partial(call, db, 1.0, 1.0, "bfloat16", **ws))
             info = self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws)
             t_kern = t_bias if self.sim else self.time_fn(
-                lambda: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode="kernel", **ws))
-            t_unf = self.time_fn(lambda: mg.add_(torch.matmul(x.T, dy).float()))
+                functools.partial(call, db, 1.0, 1.0, "bfloat16", bias_mode="kernel", **ws))
+            t_unf = self.time_fn(lambda x=x, dy=dy, mg=mg: mg.add_(torch.matmul(x.T, dy).float()))
             row = {"shape": [T, K, N], "ours_ms": t_ours, "ours_with_bias_ms": t_bias,
                    "ours_bias_kernel_ms": t_kern, "bf16_gemm_ms": t_gemm, "unfused_ms": t_unf,
                    "ours_tflops": flop / t_ours / 1e9, "ours_vs_gemm": t_ours / t_gemm,

@@ -36,8 +36,7 @@ import sys
 import sysconfig
 import time
 
-from .. import __version__
-from .. import env as _env
+from .. import __version__, env as _env
 from ._doctor_probe import MARK
 
 __all__ = ["main", "collect", "diagnose", "render"]
@@ -433,9 +432,10 @@ def diagnose(facts) -> list:
     pp = facts.get("probe_paddle") or {}
     pst = _step(facts, "probe_paddle", "paddle")
     if "version" not in pst:
-        why = _step(facts, "probe_paddle", "import").get("failed") or pst.get("failed") or (f"killed by {pp.get('signal')}" if pp.get("signal") else
-                                    "timed out" if pp.get("timed_out") else
-                                    f"exit code {pp.get('returncode')}")
+        why = (_step(facts, "probe_paddle", "import").get("failed") or pst.get("failed")
+               or (f"killed by {pp.get('signal')}" if pp.get("signal") else
+                   "timed out" if pp.get("timed_out") else
+                   f"exit code {pp.get('returncode')}"))
         if not dists:
             fix = PADDLE_INSTALL
         elif paddle_v and _vtuple(paddle_v) < (3,) and _vtuple(ver.get("numpy")) and \
@@ -582,7 +582,7 @@ def render(facts, problems) -> str:
     add = L.append
     ver = facts.get("versions") or {}
     pst = _step(facts, "probe_paddle", "paddle")
-    add(f"paddle_mgrad doctor  (python -m paddle_mgrad doctor --json for the full report)")
+    add("paddle_mgrad doctor  (python -m paddle_mgrad doctor --json for the full report)")
     add(f"versions   Python {ver.get('python')} ({ver.get('python_executable')})")
     if "version" in pst:
         cuda = (f"built with CUDA {pst.get('cuda_version') or ''}, {pst.get('gpus', '?')} GPU(s)"
@@ -591,7 +591,8 @@ def render(facts, problems) -> str:
         add(f"           Paddle {pst['version']} ({', '.join(ver.get('paddle_dists') or {}) or '?'}), "
             f"{cuda}{tested}")
     else:
-        add(f"           Paddle {', '.join(f'{k} {v}' for k, v in (ver.get('paddle_dists') or {}).items()) or 'not installed'}: does not import")
+        dists = ", ".join(f"{k} {v}" for k, v in (ver.get("paddle_dists") or {}).items())
+        add(f"           Paddle {dists or 'not installed'}: does not import")
     where = ("installed" if ver.get("paddle_mgrad_installed_path") == ver.get("paddle_mgrad_path")
              else "source checkout" + (f"; installed {ver['paddle_mgrad_installed']} at "
                                       f"{ver['paddle_mgrad_installed_path']} is shadowed"

@@ -19,12 +19,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "train_dualpipev.py")
 sys.path.insert(0, HERE)
 from launching import launch_two_ranks, run  # noqa: E402
-from train_dualpipev import ACC, CONFIGS, N_BLOCKS, STEPS  # noqa: E402
+from train_dualpipev import ACC, CONFIGS, STEPS  # noqa: E402
 
 
 def _paddle_has_dualpipev():
-    import zlib  # noqa: F401  (before paddle on 2.6)
     import importlib
+    import zlib  # noqa: F401  (before paddle on 2.6)
 
     import paddle
 
