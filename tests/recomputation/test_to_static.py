@@ -21,7 +21,6 @@ import pytest
 
 from conftest import PADDLE2, ROOT
 
-
 SCRIPT = """
 import json, sys, traceback
 import numpy as np
