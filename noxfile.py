@@ -8,6 +8,8 @@
     nox -s nlp_fleet                     # nlp + fleet/launch in one venv per Paddle version (CI)
     nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
     nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
+    nox -s lint                          # ruff check (rules: ruff.toml), pinned ruff, seconds
+    nox -s format                        # ruff format the tree (not run by CI; docs/development.md)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
@@ -58,6 +60,8 @@ def _workers():
 # PADDLE_MGRAD_TEST_WORKERS=0) runs in one process.
 XDIST = ["-n", _workers(), "--dist", "worksteal"] if _workers() != "0" else []
 PYTEST = ["pytest", "-q", "-p", "no:cacheprovider"]
+# The linter/formatter, pinned: a new ruff release may add findings to a tree that was green.
+RUFF = "ruff==0.17.6"
 # Equal thread counts everywhere (Paddle forces 1 at import unless set).
 ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
        "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
@@ -84,6 +88,22 @@ def _install(session, paddle_version, extra=()):
     session.install(*PADDLE_PINS[paddle_version], *TEST_DEPS, *extra)
     # Not editable: the tests run against the installed package (csrc shipped inside).
     session.install("--no-build-isolation", ".")
+
+
+@nox.session
+@_frees_venv
+def lint(session):
+    """ruff check over the whole tree with the rules of ruff.toml (no Paddle needed)."""
+    session.install(RUFF)
+    session.run("ruff", "--version")
+    session.run("ruff", "check", ".", *session.posargs)
+
+
+@nox.session(name="format")
+def format_tree(session):
+    """ruff format, in place (adopted, not yet applied to the tree: docs/development.md)."""
+    session.install(RUFF)
+    session.run("ruff", "format", *(session.posargs or ["."]))
 
 
 @nox.session

@@ -10,7 +10,6 @@ clear error (no crash).  (Paddle itself exits the process when a GPU tensor is c
 machine without a GPU, so the Paddle-level GPU call cannot be made here.)
 """
 import ctypes
-import glob
 import io
 import logging
 import os

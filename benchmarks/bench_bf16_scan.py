@@ -20,6 +20,7 @@ to time it anyway (the ratio then says nothing about the hardware path).
 """
 import argparse
 import ctypes
+import functools
 import os
 import time
 
@@ -88,13 +89,14 @@ def main():
         x = paddle.to_tensor((xb.astype(np.uint32) << 16).view(np.float32)).astype("bfloat16")
         y = paddle.to_tensor((yb.astype(np.uint32) << 16).view(np.float32)).astype("bfloat16")
         mg = paddle.zeros([K, N], "float32")
-        op = lambda: ops.fused_linear_param_grad_add(x, y, mg, None, True, False)  # noqa: E731
+        # Bound now (partial, default arguments): each closure keeps this shape's arrays.
+        op = functools.partial(ops.fused_linear_param_grad_add, x, y, mg, None, True, False)
         variants = {
-            "gemm": lambda: gemm(b"T", b"N", K, N, T, 1.0, xb.ctypes.data, K, yb.ctypes.data, N,
-                                 1.0, c.ctypes.data, N),
-            "scan": lambda: scan(xb.ctypes.data, xb.size, yb.ctypes.data, yb.size),
-            "op native": lambda: with_env("PADDLE_MGRAD_CPU_BF16", "native", op),
-            "op widen": lambda: with_env("PADDLE_MGRAD_CPU_BF16", "widen", op),
+            "gemm": functools.partial(gemm, b"T", b"N", K, N, T, 1.0, xb.ctypes.data, K,
+                                      yb.ctypes.data, N, 1.0, c.ctypes.data, N),
+            "scan": functools.partial(scan, xb.ctypes.data, xb.size, yb.ctypes.data, yb.size),
+            "op native": functools.partial(with_env, "PADDLE_MGRAD_CPU_BF16", "native", op),
+            "op widen": functools.partial(with_env, "PADDLE_MGRAD_CPU_BF16", "widen", op),
         }
         before = ops.cpu_info()["bf16_exact_fallbacks"]
         for fn in variants.values():

@@ -31,8 +31,8 @@ MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "ours_non_reentra
 
 
 def child(args):
-    import zlib  # noqa: F401
     import time
+    import zlib  # noqa: F401
 
     import paddle
     from paddle.base import core
@@ -146,7 +146,7 @@ def main():
                 print(f"{m}: failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 continue
             res[m].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    import paddle  # noqa: E402  (only for the version line)
+    import paddle  # only for the version line
 
     print(f"paddle {paddle.__version__}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
           f"{args.blocks} blocks, hidden {args.hidden}, tokens {args.tokens}, "

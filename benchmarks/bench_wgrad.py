@@ -23,9 +23,9 @@ blocked DGEMM) against numpy's dgemm.
 """
 import argparse
 import ctypes
+import functools
 import os
 import platform
-import statistics
 import time
 
 _threads = os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -132,17 +132,18 @@ def main():
             return lambda: with_bf16_path(
                 path, lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False))
 
-        v = {"ours fp32 (dnnl_sgemm)": op(x32, y32), "numpy sgemm": lambda: xn.T @ yn}
+        # Closures bind this shape's arrays now (default arguments, partial).
+        v = {"ours fp32 (dnnl_sgemm)": op(x32, y32), "numpy sgemm": lambda xn=xn, yn=yn: xn.T @ yn}
         if sg is not None:
-            v["raw dnnl_sgemm"] = lambda: sg(b"T", b"N", K, N, T, 1.0, xn.ctypes.data, K,
-                                             yn.ctypes.data, N, 1.0, cn.ctypes.data, N)
+            v["raw dnnl_sgemm"] = functools.partial(sg, b"T", b"N", K, N, T, 1.0, xn.ctypes.data, K,
+                                                    yn.ctypes.data, N, 1.0, cn.ctypes.data, N)
         v[f"ours bf16 ({info['bf16_path']}, auto)"] = op(xb, yb)
         v["ours bf16 (widen-sgemm, forced)"] = op(xb, yb, path="widen")
         if not args.no_native:
             v["ours bf16 (onednn-bf16, forced)"] = op(xb, yb, path="native")
         v["ours fp16 (widen-sgemm)"] = op(xh, yh)
         if not args.no_unfused:
-            def unfused():
+            def unfused(xb=xb, yb=yb, mg=mg):
                 g = paddle.matmul(xb.astype("float32"), yb.astype("float32"), transpose_x=True)
                 mg.add_(g.astype("float32"))
             v["Paddle unfused bf16 (cast+matmul+add_)"] = unfused
@@ -151,7 +152,7 @@ def main():
             xd, yd = paddle.to_tensor(x64), paddle.to_tensor(y64)
             md = paddle.zeros([K, N], "float64")
             v["ours fp64 (blocked DGEMM)"] = op(xd, yd, md)
-            v["numpy dgemm"] = lambda: x64.T @ y64
+            v["numpy dgemm"] = lambda x64=x64, y64=y64: x64.T @ y64
         t = bench_all(v, args.repeat)
         t32 = t["ours fp32 (dnnl_sgemm)"]
         t_plain = min(t["numpy sgemm"], t.get("raw dnnl_sgemm", float("inf")))

@@ -13,6 +13,7 @@
 // and the core reads X only when M, K, N > 0 and dY only when M, N > 0.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -21,6 +22,9 @@ namespace pmg {
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
 
 const char* dtype_name(DType t);
+
+// Bytes per element of a dtype (4, 2, 2, 8).
+size_t dtype_bytes(DType t);
 
 inline bool valid_dtype_code(int d) { return d >= 0 && d <= 3; }
 
@@ -93,11 +97,5 @@ std::string cpu_env_problem(DType in_dtype);
 
 // Returns an empty string on success, else a message naming what failed.
 std::string wgrad_cpu(const WgradArgs& a);
-
-// Conversions (exposed for tests of the portable path).
-float bf16_to_f32(uint16_t v);
-uint16_t f32_to_bf16(float f);  // round to nearest even, NaN preserved
-float f16_to_f32(uint16_t v);
-uint16_t f32_to_f16(float f);   // round to nearest even, saturating to inf
 
 }  // namespace pmg

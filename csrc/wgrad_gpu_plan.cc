@@ -1,6 +1,8 @@
 // The GPU path's decisions (see wgrad_gpu_plan.h).  No CUDA, no Paddle.
 #include "wgrad_gpu_plan.h"
 
+#include "wgrad_cpu_dtype.h"  // bf16/fp16 -> fp32 for the bias reference
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -13,16 +15,6 @@ uint32_t pointer_alignment(const void* p) {
   uint32_t align = 256;
   while (align > 1 && addr % align != 0) align /= 2;
   return align;
-}
-
-size_t dtype_bytes(DType t) {
-  switch (t) {
-    case DType::kF32: return 4;
-    case DType::kF64: return 8;
-    case DType::kBF16:
-    case DType::kF16: return 2;
-  }
-  return 4;
 }
 
 std::string check_element_alignment(const WgradArgs& a) {

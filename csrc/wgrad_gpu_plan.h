@@ -28,9 +28,6 @@ namespace pmg {
 // pointer (nothing is read) counts as 256.
 uint32_t pointer_alignment(const void* p);
 
-// Bytes per element of a dtype (4, 2, 2, 8).
-size_t dtype_bytes(DType t);
-
 // Every pointer the call will touch is aligned to its element size (a bf16 view may start
 // at +2 bytes, an fp32 one at +4, never at +2: that is no view of real data).  "" or the
 // message naming the pointer.

@@ -39,9 +39,9 @@ if not _AS_COMMAND_LINE:
     _check_env()
     from . import stats
     from .errors import EnvError, FlagError, FusedLinearError, RecomputeError
-    from .switch import disable, enable, enabled
-    from .recomputation import recompute
     from .linear import FusedLinearWithGradAdd, fused_linear
+    from .recomputation import recompute
+    from .switch import disable, enable, enabled
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import zlib  # noqa: F401  (must precede ``import paddle`` on Paddle 2.6)
 
 import paddle
-from paddle.base.framework import EagerParamBase  # noqa: F401  (2.6 and 3.x)
+from paddle.base.framework import EagerParamBase  # 2.6 and 3.x
 from paddle.framework import core
 
 _v = paddle.__version__.split(".")

@@ -33,8 +33,8 @@ import os
 import sys
 
 from . import env, stats
-from .errors import FlagError
 from .env import parse_activation
+from .errors import FlagError
 from .switch import enable, enabled
 
 __all__ = ["activate", "ENV", "REPORT_ENV"]

@@ -38,11 +38,11 @@ calls them; everything with an underscore is this module's own.
 """
 from __future__ import annotations
 
-from .autograd import passes as autograd_passes, backward_errors, param_hooks
-from . import ops, registry, stats
-from . import _compat
-from ._compat import is_tensor, paddle, tracer
 from paddle import _C_ops
+
+from . import _compat, ops, registry, stats
+from ._compat import is_tensor, paddle, tracer
+from .autograd import backward_errors, param_hooks, passes as autograd_passes
 from .errors import FusedLinearError
 from .registry import original
 

@@ -32,7 +32,6 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
-
 __all__ = ["Replacement", "REPLACEMENTS", "install", "uninstall", "ensure", "original",
            "is_installed", "installed_keys", "resolve_target"]
 

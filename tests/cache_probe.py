@@ -160,7 +160,8 @@ def run_probe(cache, home, patch="", pth=False, code=None, cwd="/", umask=None,
               start_new_session=False, popen=False, wrap=(), **env_extra):
     """Run :data:`PROBE` (or ``code``) in a fresh interpreter with ``PADDLE_MGRAD_CACHE=cache``
     and ``HOME=home``; with ``pth`` the interpreter processes paddle_mgrad_autoload.pth at start
-    (as site-packages would); ``wrap`` prefixes the command (e.g. ``unshare ...``).  Returns the CompletedProcess (``popen``: the Popen)."""
+    (as site-packages would); ``wrap`` prefixes the command (e.g. ``unshare ...``).  Returns the
+    CompletedProcess (``popen``: the Popen)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_MGRAD")}
     env.update(PYTHONPATH=ROOT, HOME=str(home), PADDLE_MGRAD_CACHE=str(cache))
     if pth:

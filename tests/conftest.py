@@ -1,10 +1,9 @@
-import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
-
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
 import numpy as np
 import paddle

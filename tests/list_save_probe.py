@@ -4,10 +4,15 @@ segfaults (3.3.1: SIGSEGV in ``GradNodePyLayer``'s ``call_unpack_hook``); paddle
 ``save_for_backward`` flattens the list, so backward runs and the gradients equal a run
 without recompute.  ``python list_save_probe.py ours`` prints ``OURS OK``; ``native`` runs
 Paddle's own recompute (for the record: it crashes on 3.3.1)."""
-import zlib, sys
-import numpy as np, paddle
+import sys
+import zlib  # noqa: F401  (before paddle on 2.6)
+
+import numpy as np
+import paddle
 from paddle.autograd import PyLayer
+
 import paddle_mgrad
+
 
 class L(PyLayer):
     @staticmethod
@@ -24,9 +29,14 @@ class L(PyLayer):
 
 def run(mode):
     paddle.seed(0)
-    x = paddle.randn([4, 3]); x.stop_gradient = False
-    a = paddle.create_parameter([3, 5], "float32"); b = paddle.create_parameter([5, 2], "float32")
-    f = lambda x: L.apply(x, a, b)
+    x = paddle.randn([4, 3])
+    x.stop_gradient = False
+    a = paddle.create_parameter([3, 5], "float32")
+    b = paddle.create_parameter([5, 2], "float32")
+
+    def f(x):
+        return L.apply(x, a, b)
+
     if mode == "plain":
         y = f(x)
     else:
@@ -37,8 +47,10 @@ def run(mode):
 if sys.argv[1] == "native":
     from paddle.distributed.fleet.utils import recompute
     paddle.seed(0)
-    x = paddle.randn([4, 3]); x.stop_gradient = False
-    a = paddle.create_parameter([3, 5], "float32"); b = paddle.create_parameter([5, 2], "float32")
+    x = paddle.randn([4, 3])
+    x.stop_gradient = False
+    a = paddle.create_parameter([3, 5], "float32")
+    b = paddle.create_parameter([5, 2], "float32")
     y = recompute(lambda x: L.apply(x, a, b), x, use_reentrant=False)
     (y * y).sum().backward()
     print("NATIVE OK")

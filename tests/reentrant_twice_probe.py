@@ -6,8 +6,12 @@ after its first backward, so a second run dereferences it: plain Paddle (``fleet
 node guard raises ``RecomputeError`` first.  ``python reentrant_twice_probe.py ours`` prints one
 ``RESULT {json}`` line (mode -> what happened); ``native MODE`` runs Paddle's own recompute (for
 the record: it crashes)."""
-import zlib, json, sys
-import numpy as np, paddle
+import json
+import sys
+import zlib  # noqa: F401  (before paddle on 2.6)
+
+import numpy as np
+import paddle
 
 MODES = ("retain_then_backward", "backward_twice", "multi_output", "retain_then_grad")
 

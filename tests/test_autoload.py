@@ -16,9 +16,9 @@ import zipfile
 
 import pytest
 
+from conftest import PADDLE2
 from paddle_mgrad import FlagError
 from paddle_mgrad.switch import parse_activation
-from conftest import PADDLE2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTH = os.path.join(ROOT, "paddle_mgrad_autoload.pth")

@@ -228,7 +228,7 @@ def _apply_updated(text):
     for before, (after, _why) in UPDATED.items():
         pattern = r"\s+".join(re.escape(w) for w in before.split())
         assert re.search(pattern, text), before
-        text = re.sub(pattern, lambda m: after, text)
+        text = re.sub(pattern, lambda m, after=after: after, text)  # literal: no \1 escapes
     return text
 
 

@@ -193,7 +193,7 @@ def test_every_variable_the_cpp_op_reads_is_declared():
         names |= set(re.findall(r'"(PADDLE_MGRAD\w*)"', open(os.path.join(csrc, n)).read()))
     assert names and names <= NAMES, names - NAMES
     # and the C++ op's bound for the chunk rows is env.py's
-    text = open(os.path.join(csrc, "wgrad_cpu.cc")).read()
+    text = open(os.path.join(csrc, "wgrad_cpu_env.cc")).read()
     assert "kMaxChunkRows = int64_t(1) << 24" in text and env.MAX_CHUNK_ROWS == 1 << 24
 
 

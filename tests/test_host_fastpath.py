@@ -14,10 +14,9 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import paddle
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-
-import paddle
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad

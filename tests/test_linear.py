@@ -6,9 +6,8 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from paddle_mgrad import FusedLinearError, FusedLinearWithGradAdd, fused_linear
-from paddle_mgrad import stats
 from conftest import PADDLE2
+from paddle_mgrad import FusedLinearError, FusedLinearWithGradAdd, fused_linear, stats
 
 
 class Net(paddle.nn.Layer):

@@ -15,8 +15,8 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from paddle_mgrad import stats
 from conftest import PADDLE2
+from paddle_mgrad import stats
 
 F = paddle.nn.functional
 RS = np.random.RandomState(3)

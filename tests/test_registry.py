@@ -2,8 +2,8 @@
 import paddle
 
 import paddle_mgrad
-from paddle_mgrad import registry
 from conftest import PADDLE2
+from paddle_mgrad import registry
 
 
 def _identity(rep):

@@ -52,19 +52,44 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from pmg_gpu_bench.build import (CSRC, NVCC_ARCH, _require, bc, build,  # noqa: E402,F401
-                                 check_paddle_binding, compile_only, cublas_lib_dirs,
-                                 cuda_include_dirs, toolkit)
-from pmg_gpu_bench.capi import (ALLOC_FN, BIAS_MODE, DTYPE_CODE, ELEM, Core,  # noqa: E402,F401
-                                CoreError, FakeGpuConfig, info_field)
-from pmg_gpu_bench.checks import Bench, check_cpu_core  # noqa: E402,F401
-from pmg_gpu_bench.report import ITEMS, print_table, speed_verdict, table  # noqa: E402,F401
-from pmg_gpu_bench.sanitizer import (find_sanitizer, run_sanitizer,  # noqa: E402,F401
-                                     sanitize_case, sanitizer_summary)
-from pmg_gpu_bench.shapes import (BENCH_SHAPES, BIAS_PATH_SHAPES, CHECK_SHAPES,  # noqa: E402,F401
-                                  OFFSET_SHAPES, OFFSETS, TARGET_BIAS, TARGET_VS_GEMM,
-                                  check_result, error_bound, offset_cases)
 from pmg_gpu_bench import timing  # noqa: E402
+from pmg_gpu_bench.build import (  # noqa: E402,F401
+    CSRC,
+    NVCC_ARCH,
+    _require,
+    bc,
+    build,
+    check_paddle_binding,
+    compile_only,
+    cublas_lib_dirs,
+    cuda_include_dirs,
+    toolkit,
+)
+from pmg_gpu_bench.capi import (  # noqa: E402,F401
+    ALLOC_FN,
+    BIAS_MODE,
+    DTYPE_CODE,
+    ELEM,
+    Core,
+    CoreError,
+    FakeGpuConfig,
+    info_field,
+)
+from pmg_gpu_bench.checks import Bench, check_cpu_core  # noqa: E402
+from pmg_gpu_bench.report import ITEMS, print_table, speed_verdict, table  # noqa: E402,F401
+from pmg_gpu_bench.sanitizer import find_sanitizer, run_sanitizer, sanitize_case, sanitizer_summary  # noqa: E402,F401
+from pmg_gpu_bench.shapes import (  # noqa: E402,F401
+    BENCH_SHAPES,
+    BIAS_PATH_SHAPES,
+    CHECK_SHAPES,
+    OFFSET_SHAPES,
+    OFFSETS,
+    TARGET_BIAS,
+    TARGET_VS_GEMM,
+    check_result,
+    error_bound,
+    offset_cases,
+)
 
 
 def parse_args(argv=None):

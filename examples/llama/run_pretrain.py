@@ -14,11 +14,10 @@ examples/llama/run_pretrain.py ...``.  Resume: ``--resume_from_checkpoint
 output/llama_cpu/checkpoint-20``.  On CPU, AMP is a no-op (Paddle has no CPU
 bf16 matmul) but the main_grad path is active; on a GPU it trains in bf16.
 """
-import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
-
 import json
 import os
 import sys
+import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 from dataclasses import dataclass, field
 
 import paddle
@@ -31,8 +30,9 @@ from paddle_mgrad.trainer import MgradArguments, apply
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from data import BlockDataset, ByteTokenizer  # noqa: E402
 from tokens_per_second import tokens_per_second_callback  # noqa: E402
+
+from data import BlockDataset, ByteTokenizer  # noqa: E402
 
 
 @dataclass

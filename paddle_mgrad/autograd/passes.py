@@ -46,10 +46,10 @@ import functools
 import threading
 import weakref
 
-from . import backward_errors
 from .. import registry
 from .._compat import is_tensor, paddle
 from ..errors import FusedLinearError
+from . import backward_errors
 
 __all__ = ["GuardedPyLayer", "NodeGuard", "FunctionalPass", "stash_guard", "ran", "grad"]
 

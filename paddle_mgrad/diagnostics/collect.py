@@ -18,8 +18,7 @@ import sys
 import sysconfig
 import time
 
-from .. import __version__
-from .. import env as _env
+from .. import __version__, env as _env
 from ._doctor_probe import MARK
 
 PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # paddle_mgrad/

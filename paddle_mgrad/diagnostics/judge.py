@@ -8,8 +8,17 @@ from __future__ import annotations
 import re
 
 from .. import env as _env
-from .collect import (FORMERS_PINS, GEMM_NAMES, NLP_PINS, PADDLE_INSTALL, PTH, _pin_ok, _pin_text,
-                      _vtuple)
+from .collect import (
+    FORMERS_PINS,
+    GEMM_NAMES,
+    NLP_PINS,
+    PADDLE_INSTALL,
+    PTH,
+    _pin_ok,
+    _pin_text,
+    _vtuple,
+)
+
 
 def _step(facts, probe, step):
     p = facts.get(probe) or {}
@@ -158,9 +167,10 @@ def _judge_paddle(facts, bad) -> bool:
     pp = facts.get("probe_paddle") or {}
     pst = _step(facts, "probe_paddle", "paddle")
     if "version" not in pst:
-        why = _step(facts, "probe_paddle", "import").get("failed") or pst.get("failed") or (f"killed by {pp.get('signal')}" if pp.get("signal") else
-                                    "timed out" if pp.get("timed_out") else
-                                    f"exit code {pp.get('returncode')}")
+        why = (_step(facts, "probe_paddle", "import").get("failed") or pst.get("failed")
+               or (f"killed by {pp.get('signal')}" if pp.get("signal") else
+                   "timed out" if pp.get("timed_out") else
+                   f"exit code {pp.get('returncode')}"))
         if not dists:
             fix = PADDLE_INSTALL
         elif paddle_v and _vtuple(paddle_v) < (3,) and _vtuple(ver.get("numpy")) and \

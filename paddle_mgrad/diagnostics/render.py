@@ -6,6 +6,7 @@ from __future__ import annotations
 from .collect import GEMM_NAMES, TESTED_PADDLE
 from .judge import _final_cache, _needs_line, _step, _var, rebuilt, verdict
 
+
 def _size(n):
     if n is None:
         return "?"
@@ -36,7 +37,7 @@ def render(facts, problems) -> str:
     add = L.append
     ver = facts.get("versions") or {}
     pst = _step(facts, "probe_paddle", "paddle")
-    add(f"paddle_mgrad doctor  (python -m paddle_mgrad doctor --json for the full report)")
+    add("paddle_mgrad doctor  (python -m paddle_mgrad doctor --json for the full report)")
     add(f"versions   Python {ver.get('python')} ({ver.get('python_executable')})")
     if "version" in pst:
         cuda = (f"built with CUDA {pst.get('cuda_version') or ''}, {pst.get('gpus', '?')} GPU(s)"
@@ -45,7 +46,8 @@ def render(facts, problems) -> str:
         add(f"           Paddle {pst['version']} ({', '.join(ver.get('paddle_dists') or {}) or '?'}), "
             f"{cuda}{tested}")
     else:
-        add(f"           Paddle {', '.join(f'{k} {v}' for k, v in (ver.get('paddle_dists') or {}).items()) or 'not installed'}: does not import")
+        dists = ", ".join(f"{k} {v}" for k, v in (ver.get("paddle_dists") or {}).items())
+        add(f"           Paddle {dists or 'not installed'}: does not import")
     where = ("installed" if ver.get("paddle_mgrad_installed_path") == ver.get("paddle_mgrad_path")
              else "source checkout" + (f"; installed {ver['paddle_mgrad_installed']} at "
                                       f"{ver['paddle_mgrad_installed_path']} is shadowed"

@@ -134,6 +134,7 @@ def run(mode: str) -> dict:
     try:
         if mode == "paddle_mgrad":
             import paddle_mgrad
+
             from .. import stats
 
             before = stats.snapshot()

@@ -21,12 +21,12 @@ here explicitly, as in Paddle), so it is not called.
 """
 from __future__ import annotations
 
-from ..autograd import passes as autograd_passes, backward_errors
 from .. import stats
 from .._compat import paddle
-from .collective_overlap import let_collective_start
-from ..linear import stash_for_backward, weight_and_bias_grads, functional_grads
+from ..autograd import backward_errors, passes as autograd_passes
+from ..linear import functional_grads, stash_for_backward, weight_and_bias_grads
 from ..registry import original
+from .collective_overlap import let_collective_start
 
 __all__ = ["OverlapLinearWithGradAdd", "replace"]
 

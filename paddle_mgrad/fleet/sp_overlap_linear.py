@@ -25,11 +25,11 @@ as in our linear).  The collectives are looked up at call time
 """
 from __future__ import annotations
 
-from ..autograd import passes as autograd_passes, backward_errors
 from .. import stats
 from .._compat import paddle
-from .collective_overlap import let_collective_start
+from ..autograd import backward_errors, passes as autograd_passes
 from ..linear import check_main_grads, plain_param_grads, stash_for_backward
+from .collective_overlap import let_collective_start
 from .overlap_linear import forward_matmul, grads_while, input_grad
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]

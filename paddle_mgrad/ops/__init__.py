@@ -100,7 +100,7 @@ def load():
             from . import _build
 
             module, cuda_why = _build.load_op_module()
-            info = getattr(module, "pmg_backend_info")(paddle.zeros([1])).numpy()
+            info = module.pmg_backend_info(paddle.zeros([1])).numpy()
             cpu = "cpp-onednn" if info[0] == 1 else "cpp-portable"
             has_cuda = bool(info[1])
         except Exception as e:  # no compiler, failed build, missing headers...

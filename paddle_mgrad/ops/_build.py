@@ -69,10 +69,23 @@ import tempfile
 from .._compat import paddle
 from ..env import get as env_get
 from . import build_config as bc
-from ._cache import (  # noqa: F401  (_write_new: the tests reach the cache through _build)
-    _PARTIAL_RE, FAILED, MARKER, TRUST_ENV, CacheRefused, _chain_problems, _examine,
-    _makedirs_private, _read_small, _security_fix, _tighten, _trusted, _warn_once, _write_marker,
-    _write_new)
+from ._cache import (  # (_write_new: the tests reach the cache through _build)
+    _PARTIAL_RE,
+    FAILED,
+    MARKER,
+    TRUST_ENV,
+    CacheRefused,
+    _chain_problems,
+    _examine,
+    _makedirs_private,
+    _read_small,
+    _security_fix,
+    _tighten,
+    _trusted,
+    _warn_once,
+    _write_marker,
+    _write_new,
+)
 from ._compiler import compile_into
 from ._locking import _discard_partials, _install, _locked
 

@@ -118,7 +118,7 @@ def _makedirs_private(path):
 def _tighten(tree):
     """After a build: directories 0700, files without group/world write (the compiler and
     setuptools follow the umask, which may be 002)."""
-    for dirpath, dirnames, filenames in os.walk(tree):
+    for dirpath, _dirnames, filenames in os.walk(tree):
         os.chmod(dirpath, 0o700)
         for name in filenames:
             path = os.path.join(dirpath, name)

@@ -44,11 +44,13 @@ import sys
 
 # ------------------------------------------------------------------- sources and flags
 # framework-free CPU core + the GPU path's decisions (no CUDA in them: CPU tests reach them)
-CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_gpu_plan.cc"]
+CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_cpu_env.cc", "wgrad_bf16_scan.cc", "wgrad_dgemm.cc",
+                "wgrad_gpu_plan.cc"]
 PADDLE_SOURCES = ["wgrad_op.cc"]                # the Paddle binding (PD_BUILD_OP)
 CAPI_SOURCES = ["wgrad_capi.cc"]                # C ABI for ctypes (benchmarks, no-GPU checks)
 CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) + bias reduction
-HEADERS = ["wgrad_core.h", "wgrad_cuda.h", "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h"]
+HEADERS = ["wgrad_core.h", "wgrad_cpu_env.h", "wgrad_cpu_dtype.h", "wgrad_dgemm.h", "wgrad_cuda.h",
+           "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h"]
 
 CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
 LD_FLAGS = ["-fopenmp"]

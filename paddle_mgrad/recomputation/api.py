@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from .. import env
 from .._compat import paddle, tracer
+from . import to_static  # noqa: F401  (registers our files with to_static's SOT)
 from .non_reentrant import recompute_non_reentrant
 from .reentrant import recompute_reentrant
-from . import to_static  # noqa: F401  (registers our files with to_static's SOT)
 
 __all__ = ["recompute", "DETERMINISM_CHECKS", "ENV_DETERMINISM_CHECK"]
 

@@ -40,13 +40,20 @@ import weakref
 
 from .. import stats
 from .._compat import IS_PADDLE_2, is_parameter, paddle
-from ..errors import RecomputeError
-from . import amp as _amp
 from ..autograd import backward_errors as _errors
-from . import rng as _rng
-from . import saved_hooks as _hooks
-from .tensors import (FINGERPRINT_FIELDS, buffer_sharing_tensor, describe, detached_view,
-                      fingerprint, fingerprint_mismatch, function_name, iter_tensors, spec)
+from ..errors import RecomputeError
+from . import amp as _amp, rng as _rng, saved_hooks as _hooks
+from .tensors import (
+    FINGERPRINT_FIELDS,
+    buffer_sharing_tensor,
+    describe,
+    detached_view,
+    fingerprint,
+    fingerprint_mismatch,
+    function_name,
+    iter_tensors,
+    spec,
+)
 
 
 class _Holder:

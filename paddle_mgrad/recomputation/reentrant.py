@@ -25,13 +25,19 @@ import inspect
 
 from .. import stats
 from .._compat import is_parameter, is_tensor, paddle, tracer
+from ..autograd import backward_errors as _errors, passes as autograd_passes
 from ..errors import RecomputeError
-from . import amp as _amp
-from ..autograd import passes as autograd_passes
-from ..autograd import backward_errors as _errors
-from . import rng as _rng
-from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
-                      fingerprint_mismatch, function_name, spec)
+from . import amp as _amp, rng as _rng
+from .tensors import (
+    FINGERPRINT_FIELDS,
+    any_needs_grad,
+    detached_view,
+    fingerprint,
+    fingerprint_mismatch,
+    function_name,
+    spec,
+)
+
 
 # Arguments are encoded into a layout plus a flat list of tensors: every tensor
 # (also inside tuples) is its own PyLayer input, so its gradient has its own

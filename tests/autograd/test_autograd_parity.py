@@ -22,8 +22,8 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from paddle_mgrad import FusedLinearError, stats
 from conftest import PADDLE2, ROOT, TESTS
+from paddle_mgrad import stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 F = paddle.nn.functional

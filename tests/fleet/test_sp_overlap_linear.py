@@ -17,7 +17,7 @@ if not hasattr(spu, "SPInnerOverlapLinear"):
     pytest.skip(f"Paddle {paddle.__version__} has no SPInnerOverlapLinear (a Paddle 3.x class)",
                 allow_module_level=True)
 
-from paddle_mgrad.fleet.sp_overlap_linear import SPOverlapLinearWithGradAdd  # noqa: E402
+from paddle_mgrad.fleet.sp_overlap_linear import SPOverlapLinearWithGradAdd
 
 H, N, S, B = 8, 6, 3, 2  # in features, out features (this rank's shard), local seq, batch
 

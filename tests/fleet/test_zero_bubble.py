@@ -11,8 +11,8 @@ from paddle.distributed.fleet.utils import recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from paddle_mgrad import registry, stats
 from conftest import PADDLE2
+from paddle_mgrad import registry, stats
 
 MODULE = "paddle.distributed.fleet.meta_parallel.zero_bubble_utils"
 KEY = "zero_bubble_grad_weight_fn"
@@ -113,7 +113,7 @@ def _run(block, data, mode, store, as_argument=False):
             return block(x)
         return recompute(block, x, use_reentrant=(mode == "reentrant"))
 
-    for step, (x_np, c_np) in enumerate(data):
+    for x_np, c_np in data:
         x = paddle.to_tensor(x_np.astype("float32"), stop_gradient=False)
         before = [None if w.main_grad is None else w.main_grad.numpy().copy() for w in weights]
         zb.WeightGradStore.enabled = store != "off"
@@ -335,7 +335,7 @@ def test_everything_else_is_paddles_own(name):
             paddle_mgrad.enable(recompute=False, fused_linear=True)
         stats.reset()
         x, w, dy = _case(name, np.random.RandomState(1))
-        got = _outcome(lambda: zb.grad_weight_fn(x, w, dy))
+        got = _outcome(lambda x=x, w=w, dy=dy: zb.grad_weight_fn(x, w, dy))
         mg = getattr(w, "main_grad", None)
         out[on] = (got, None if mg is None else (mg.dtype, mg.numpy().astype("f8")),
                    None if w.grad is None else w.grad.numpy())

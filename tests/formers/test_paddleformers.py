@@ -28,11 +28,10 @@ CPU gap (PaddleFormers/Paddle, not ours): the Trainer calls ``paddle.device.sync
 gradient_accumulation_steps > 1, which raises on a CPU place; cpu_formers_standins.py stands in for it
 (test_cpu_gap_* asserts the failure without the stand-in, so a fix shows).
 """
-import zlib  # noqa: F401  (before paddle)
-
 import json
 import os
 import re
+import zlib  # noqa: F401  (before paddle)
 
 import numpy as np
 import paddle
@@ -45,9 +44,9 @@ except ImportError:
         pytest.skip("PADDLE_MGRAD_NO_FORMERS=1: PaddleFormers tests skipped on purpose",
                     allow_module_level=True)
     raise ImportError("tests/formers needs paddleformers==1.2.0 (`nox -s formers` installs it with "
-                      "its pins); set PADDLE_MGRAD_NO_FORMERS=1 to skip these tests on purpose")
+                      "its pins); set PADDLE_MGRAD_NO_FORMERS=1 to skip these tests on purpose") from None
 
-from script_runs import launch, script_env, switch_on, with_evidence  # noqa: E402  (tests/)
+from script_runs import launch, script_env, switch_on, with_evidence  # tests/
 
 # trainings (heavy: dealt first under xdist); one worker runs the module, so that the
 # module-scoped plain run happens once

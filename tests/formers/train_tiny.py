@@ -10,11 +10,10 @@ synthetic token data, offline.  Flags go through PaddleFormers' own argument par
 model-config field (PaddleFormers' TrainingArguments has none): ``--use_reentrant false`` here.
 Nothing in it mentions paddle_mgrad: switch that on with ``PADDLE_MGRAD=all``.
 """
-import zlib  # noqa: F401  (harmless on 3.x; Paddle 2.6 needs it before paddle)
-
 import dataclasses
 import json
 import sys
+import zlib  # noqa: F401  (harmless on 3.x; Paddle 2.6 needs it before paddle)
 
 import numpy as np
 import paddle

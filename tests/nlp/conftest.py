@@ -1,12 +1,11 @@
-import zlib  # noqa: F401  (before paddle)
 import json
 import os
 import subprocess
 import sys
-
-import pytest
+import zlib  # noqa: F401  (before paddle)
 
 import cpu_nlp_standins
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "llama", "run_pretrain.py")

@@ -3,7 +3,8 @@ import os
 
 import numpy as np
 import paddle
-import paddle_mgrad  # noqa: F401
+
+import paddle_mgrad
 from paddle_mgrad._compat import IS_PADDLE_2
 
 STEPS = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
@@ -180,6 +181,7 @@ def test_flags_only_no_json(tmp_path):
     import sys
 
     import cpu_nlp_standins
+
     from conftest import EVIDENCE, EXAMPLE, ROOT
 
     out_dir = tmp_path / "flags"

@@ -18,13 +18,15 @@ import zlib  # noqa: F401  (before paddle)
 
 import numpy as np
 import paddle
+import paddlenlp3x_standins as standins
 import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import (
-    MixPrecisionLayer, MixPrecisionOptimizer)
+    MixPrecisionLayer,
+    MixPrecisionOptimizer,
+)
 from paddlenlp.transformers import MixtralConfig, MixtralForCausalLM
 
 import paddle_mgrad
-import paddlenlp3x_standins as standins
 from paddle_mgrad import autoload, registry, stats
 from paddle_mgrad._compat import IS_PADDLE_2
 from paddle_mgrad.diagnostics.audit import MainGradAudit

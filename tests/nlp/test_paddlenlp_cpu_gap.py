@@ -1,10 +1,10 @@
 """PaddleNLP 2.7.x's CPU gap that tests/nlp stands in for (cpu_nlp_standins.py), asserted here so
 that the stand-in is known to be needed -- and a PaddleNLP fix shows.  On PaddleNLP 2.8.1 the
 same code runs on CPU and no stand-in is used."""
+import cpu_nlp_standins
 import paddle
 import pytest
 
-import cpu_nlp_standins
 import paddle_mgrad
 
 NEEDS = cpu_nlp_standins.needs_cpu_sync_standin()

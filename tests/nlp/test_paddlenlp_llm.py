@@ -8,19 +8,18 @@ fails on CPU.
 
 Evidence from inside the unmodified script comes from tests/nlp/evidence/sitecustomize.py.
 """
-import zlib  # noqa: F401  (before paddle)
-
 import dataclasses
 import importlib.util
 import json
 import os
 import re
+import zlib  # noqa: F401  (before paddle)
 
+import cpu_nlp_standins
 import numpy as np
 import paddle
 import pytest
 
-import cpu_nlp_standins
 import paddle_mgrad
 from paddle_mgrad import stats
 from paddle_mgrad._compat import IS_PADDLE_2

@@ -20,10 +20,21 @@ import time
 import paddle
 import pytest
 
-from cache_probe import (COMPILING, FAKE_COMPILE, compile_planted, copy_build, finish,
-                         good_build, library_in, modes, result, run_probe)
+from cache_probe import (
+    COMPILING,
+    FAKE_COMPILE,
+    compile_planted,
+    copy_build,
+    finish,
+    good_build,
+    library_in,
+    modes,
+    result,
+    run_probe,
+)
 from conftest import ROOT
 from paddle_mgrad.ops import _build
+
 PROBE = textwrap.dedent("""
     import zlib, logging, sys
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout)

@@ -17,9 +17,21 @@ import stat
 
 import pytest
 
-from cache_probe import (COMPILING, FAKE_COMPILE, NOBODY, chown_tree, compile_planted,
-                         copy_build, forge_marker, good_build, home_with_build, library_in,
-                         private_dir, result, run_probe)
+from cache_probe import (
+    COMPILING,
+    FAKE_COMPILE,
+    NOBODY,
+    chown_tree,
+    compile_planted,
+    copy_build,
+    forge_marker,
+    good_build,
+    home_with_build,
+    library_in,
+    private_dir,
+    result,
+    run_probe,
+)
 from paddle_mgrad import autoload
 from paddle_mgrad.ops import _build
 
@@ -55,7 +67,7 @@ def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, mode, marker, p
         dst.write(src.read())
     if marker == "forged":
         forge_marker(key_dir)
-    for dirpath, dirnames, filenames in os.walk(shared):
+    for dirpath, _dirnames, _filenames in os.walk(shared):
         os.chmod(dirpath, 0o755)
     os.chmod(shared, mode)
     chown_tree(shared, NOBODY)
@@ -139,7 +151,7 @@ def _read_only(cache):
     anything), in a private mount namespace with ``cache`` bind-mounted read-only (EROFS, as a
     read-only NFS/squashfs share); as another user, ``chmod a-w`` suffices."""
     if not IS_ROOT:
-        for dirpath, dirnames, filenames in os.walk(cache):
+        for dirpath, _dirnames, _filenames in os.walk(cache):
             os.chmod(dirpath, 0o555)
         return []
     if shutil.which("unshare") is None:

@@ -15,8 +15,7 @@ import paddle
 import pytest
 
 from paddle_mgrad import ops
-from paddle_mgrad.ops import _build
-from paddle_mgrad.ops import build_config as bc
+from paddle_mgrad.ops import _build, build_config as bc
 
 
 # ------------------------------------------------------------------ fake toolkits and wheels

@@ -10,8 +10,7 @@ import textwrap
 import numpy as np
 import paddle
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from paddle_mgrad import EnvError, FusedLinearError, env, ops
 from paddle_mgrad.ops import _inputs, _reference
@@ -374,6 +373,7 @@ def test_fused_linear_zero_size_matches_paddle(xs, ws, with_bias):
     """Paddle's TestLinearAPI_ZeroSize (weight [2, 0]) and other zero-size linears give
     Paddle's outputs and gradients through paddle_mgrad.fused_linear."""
     import paddle.nn.functional as F
+
     from paddle_mgrad import fused_linear
 
     rs = np.random.RandomState(0)

@@ -16,9 +16,8 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from paddle_mgrad import RecomputeError
-from paddle_mgrad import stats
 from conftest import PADDLE2, run_probe_script
+from paddle_mgrad import RecomputeError, stats
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 
 
@@ -595,7 +594,7 @@ CASES = {"kwargs": _kwargs_case, "tuple": _tuple_case, "none_output": _none_outp
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_with_plain_autograd(case, use_reentrant):
     """Ours equals no recompute; Paddle's own is recorded for comparison."""
-    ref = _grads_of(lambda l, a, b, rc: CASES[case](l, a, b, lambda f, *x, **k: f(*x, **k)),
+    ref = _grads_of(lambda layer, a, b, rc: CASES[case](layer, a, b, lambda f, *x, **k: f(*x, **k)),
                     "ours", use_reentrant)
     got = _grads_of(CASES[case], "ours", use_reentrant)
     for r, g in zip(ref, got):

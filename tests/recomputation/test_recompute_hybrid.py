@@ -4,8 +4,8 @@ import importlib
 
 import numpy as np
 import paddle
-import pytest
 import paddle.nn.functional as F
+import pytest
 from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
 from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer

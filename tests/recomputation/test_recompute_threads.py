@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import weakref
 
 import numpy as np
 import paddle
@@ -24,9 +23,9 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from conftest import PADDLE2, ROOT
 from paddle_mgrad import RecomputeError
 from paddle_mgrad.recomputation import non_reentrant, saved_hooks
-from conftest import PADDLE2, ROOT
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 
 N_THREADS, N_ITERS = 4, 50

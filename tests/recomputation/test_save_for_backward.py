@@ -16,8 +16,8 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import recompute as native_recompute
 
 import paddle_mgrad
+from conftest import run_probe_script
 from paddle_mgrad import registry
-from conftest import PADDLE2, run_probe_script
 
 MODES = ["none", "non_reentrant", "reentrant"]
 PADDLE_REFUSES = "save_for_backward only support Tensor, list of Tensor, tuple of Tensor"

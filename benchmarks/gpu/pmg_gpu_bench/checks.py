@@ -6,8 +6,14 @@ import ctypes
 import re
 
 from .capi import ELEM, CoreError, info_field
-from .shapes import (BIAS_PATH_SHAPES, CHECK_SHAPES, OFFSET_SHAPES, check_result, error_bound,
-                     offset_cases)
+from .shapes import (
+    BIAS_PATH_SHAPES,
+    CHECK_SHAPES,
+    OFFSET_SHAPES,
+    check_result,
+    error_bound,
+    offset_cases,
+)
 
 
 def check_cpu_core(core):

@@ -58,7 +58,7 @@ def speed(bench):
         t_ours = time_fn(bench, lambda: bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws))
         t_bias = time_fn(bench, lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws))
         info = bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws)
-        t_kern = t_bias if bench.sim else time_fn(bench, 
+        t_kern = t_bias if bench.sim else time_fn(bench,
             lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode="kernel", **ws))
         t_unf = time_fn(bench, lambda: mg.add_(torch.matmul(x.T, dy).float()))
         row = {"shape": [T, K, N], "ours_ms": t_ours, "ours_with_bias_ms": t_bias,

@@ -76,6 +76,7 @@ def _skip_sp_overlap_on_paddle2():
     """Paddle 2.6 has neither SPInnerOverlapLinear nor mp_configs.sp_async_reduce_scatter:
     skip there, and only there (a Paddle 3 without them fails)."""
     import zlib  # noqa: F401  (before paddle on 2.6)
+
     import paddle
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils import sequence_parallel_utils

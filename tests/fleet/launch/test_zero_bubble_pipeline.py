@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "train_dualpipev.py")
 sys.path.insert(0, HERE)
 from launching import launch_two_ranks, run  # noqa: E402
-from train_dualpipev import ACC, CONFIGS, N_BLOCKS, STEPS  # noqa: E402
+from train_dualpipev import ACC, CONFIGS, STEPS  # noqa: E402
 
 # 2-rank launches (heavy: dealt first under xdist); one worker runs the module, so that the
 # module-scoped one-process reference runs once
@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("fleet_dualpipev_refere
 
 
 def _paddle_has_dualpipev():
-    import zlib  # noqa: F401  (before paddle on 2.6)
     import importlib
+    import zlib  # noqa: F401  (before paddle on 2.6)
 
     import paddle
 

@@ -20,11 +20,11 @@ same global batch and saves its losses and the gradients of step 0.  A distribut
 ``.grad``, how many weight gradients the schedule deferred (``WeightGradStore.put``) and
 paddle_mgrad's counters.
 """
-import zlib  # noqa: F401  (before paddle on 2.6)
 import argparse
 import json
 import os
 import sys
+import zlib  # noqa: F401  (before paddle on 2.6)
 
 import numpy as np
 import paddle
@@ -122,12 +122,18 @@ def run_reference(out):
 
 
 def run_distributed(name, out, ref_dir):
-    import paddle_mgrad
     from paddle.distributed import fleet
-    from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
-    from paddle.distributed.fleet.meta_parallel import zero_bubble_utils as zb
+    from paddle.distributed.fleet.meta_parallel import (
+        LayerDesc,
+        PipelineLayer,
+        zero_bubble_utils as zb,
+    )
     from paddle.distributed.fleet.utils.mix_precision_utils import (
-        MixPrecisionLayer, MixPrecisionOptimizer)
+        MixPrecisionLayer,
+        MixPrecisionOptimizer,
+    )
+
+    import paddle_mgrad
     from paddle_mgrad import stats
 
     paddle.set_device("cpu")

@@ -19,11 +19,11 @@ losses, the largest difference between its fp32 ``main_grad`` after step 0 and t
 reference gradient (its shard; sharding: averaged over ranks), the parameters whose
 gradient was not in ``main_grad``, and paddle_mgrad's counters.
 """
-import zlib  # noqa: F401  (before paddle on 2.6)
 import argparse
 import json
 import os
 import sys
+import zlib  # noqa: F401  (before paddle on 2.6)
 
 import numpy as np
 import paddle
@@ -211,10 +211,13 @@ def run_reference(name, out):
 
 # ---------------------------------------------------------------- distributed run
 def run_distributed(name, out, ref_dir):
-    import paddle_mgrad
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils.mix_precision_utils import (
-        MixPrecisionLayer, MixPrecisionOptimizer)
+        MixPrecisionLayer,
+        MixPrecisionOptimizer,
+    )
+
+    import paddle_mgrad
     from paddle_mgrad import stats
     from paddle_mgrad.diagnostics.audit import MainGradAudit
 
@@ -281,7 +284,8 @@ def run_distributed(name, out, ref_dir):
             layer.enable_recompute = True
     if sp:
         from paddle.distributed.fleet.utils.sequence_parallel_utils import (
-            register_sequence_parallel_allreduce_hooks)
+            register_sequence_parallel_allreduce_hooks,
+        )
 
         register_sequence_parallel_allreduce_hooks(model, ACC, False)
     audit = MainGradAudit(model)
