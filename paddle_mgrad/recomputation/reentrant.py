@@ -12,6 +12,24 @@ tensor keeps the ``PyLayer``'s outputs differentiable.  Every tensor argument,
 also inside a tuple or list, is its own ``PyLayer`` input, so each gets its own
 gradient slot (Paddle 2.6 drops the first element's gradient of a tuple).
 
+**No argument needs a gradient** (every tensor argument has ``stop_gradient=True``:
+a block fed by frozen embeddings, LoRA/adapter fine-tuning): the ``PyLayer`` would
+have no differentiable input, Paddle would create no grad node for it, and the
+parameters the block reads from ``self`` would silently get no gradient (plain
+Paddle logs "None of the inputs to current recompute block need grad" and drops
+them).  Only a forward *with* grad reveals which parameters the block uses, so
+such a call runs the non-reentrant implementation (:mod:`.non_reentrant`, same
+RNG/AMP replay and determinism checks): gradients equal those without recompute,
+outputs have the ``stop_gradient`` they would have without recompute, and a block
+with nothing to train builds no graph, saves nothing and is never recomputed.
+(A dummy differentiable input instead would make every frozen block's outputs
+differentiable and re-run it in backward for nothing.)  ``offload_indices`` does
+not apply to such a call: its arguments are kept where they are.
+
+An output that *is* one of the block's inputs (a block returning its residual)
+gets its gradient added to that input's in backward, not by back-propagating
+from it (see :meth:`_ReentrantRecompute.backward`).
+
 ``determinism_check="values"``: the forward runs without grad and saves no
 activations, so there is nothing per-activation to compare; instead each tensor
 *output* of the block is fingerprinted in forward and again after the re-run in
@@ -30,6 +48,7 @@ from . import amp as _amp
 from ..autograd import passes as autograd_passes
 from ..autograd import backward_errors as _errors
 from . import rng as _rng
+from . import non_reentrant as _non_reentrant
 from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
                       fingerprint_mismatch, function_name, spec)
 
@@ -222,19 +241,32 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         # assumes); if it dropped non-tensor outputs, align with the tensors.
         if len(outputs) != len(grads):
             outputs = [o for o in outputs if is_tensor(o)]
+        # An output that *is* one of the (detached) inputs -- a block returning its
+        # residual -- gets its gradient added to that input's directly: it has no graph
+        # of its own to run, and handing a leaf to backward() beside a graph that also
+        # reaches it breaks Paddle 2.6's engine when a PyLayer (our fused linear) sits
+        # between them ("Unable to find next node in the GradTensorHolder").
+        position = {id(d): k for k, d in enumerate(detached)}
+        direct: dict = {}
         roots, root_grads = [], []
         for o, g in zip(outputs, grads):
-            if is_tensor(o) and not o.stop_gradient and g is not None:
+            if not is_tensor(o) or g is None:
+                continue
+            k = position.get(id(o))
+            if k is not None:
+                if not detached[k].stop_gradient:
+                    direct[k] = g if k not in direct else direct[k] + g
+            elif not o.stop_gradient:
                 roots.append(o)
                 root_grads.append(g)
-        if not roots:
-            raise RuntimeError(
-                "recompute: none of the recomputed outputs needs a gradient; "
-                "this recompute() is not necessary"
-            )
-        with paddle.amp.auto_cast(enable=False):
-            paddle.autograd.backward(roots, root_grads)
+        # No root: nothing in the block needed a gradient here (an output computed under
+        # no_grad, or from inputs that need none): as without recompute, no gradient flows.
+        if roots:
+            with paddle.amp.auto_cast(enable=False):
+                paddle.autograd.backward(roots, root_grads)
         result = [None if d.stop_gradient else d._grad_ivar() for d in detached]
+        for k, g in direct.items():
+            result[k] = g if result[k] is None else result[k] + g
         result.extend(paddle.zeros([1]) for _ in range(ctx.n_anchor))
         if _errors.current_pass() is None:  # paddle.grad runs a copy: the node stays usable
             autograd_passes.ran(ctx)
@@ -302,6 +334,14 @@ def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, ancho
 def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
                         check="shapes"):
     """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
+    if not any_needs_grad((args, kwargs)):
+        # Nothing passed in needs a gradient, so the PyLayer would get no differentiable
+        # input and Paddle would make no grad node: parameters read inside the block
+        # (LoRA behind frozen embeddings) would silently get no gradient.  See the module
+        # docstring: the block runs non-reentrant instead.
+        stats.bump(stats.recompute, "reentrant")
+        stats.bump(stats.recompute, "reentrant_as_non_reentrant")
+        return _non_reentrant.run(function, preserve_rng_state, args, kwargs, check)
     stats.bump(stats.recompute, "reentrant")
     layout, tensors, call_kwargs, anchor = _prepare(
         function, args, kwargs, "recompute(use_reentrant=True)")
