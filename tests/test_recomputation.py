@@ -864,3 +864,115 @@ def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
         return res
     for g, r in zip(run(True), run(False)):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------- found by the differential fuzzer (issue 24)
+def _ref_and_ours(build, use_reentrant=True):
+    """``build(rc)`` -> (loss-able outputs, tensors whose grads to compare); no recompute vs ours."""
+    res = []
+    for rc in (lambda f, *a, **k: f(*a, **k),
+               lambda f, *a, **k: paddle_mgrad.recompute(f, *a, use_reentrant=use_reentrant, **k)):
+        paddle.seed(4)
+        outs, watch = build(rc)
+        loss = sum((o * (i + 1)).sum() for i, o in enumerate(outs) if not o.stop_gradient)
+        loss.backward()
+        res.append(([o.numpy() for o in outs], [o.stop_gradient for o in outs],
+                     [None if t.grad is None else t.grad.numpy() for t in watch]))
+    return res
+
+
+def _assert_equal_runs(ref, got):
+    (ro, rs, rg), (go, gs, gg) = ref, got
+    for a, b in zip(ro + rg, go + gg):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    return rs, gs
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_returning_its_leaf_input_that_needs_grad(use_reentrant):
+    """Reentrant: Paddle's PyLayer took the returned input for an in-place result and
+    raised "Leaf Var ... that doesn't stop gradient can't use inplace strategy" (plain
+    Paddle's reentrant recompute too); now the same as without recompute."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        out, same = rc(lambda h: (lin(h), h), x)
+        return [out, same], [x, lin.weight]
+    ref, got = _ref_and_ours(build, use_reentrant)
+    _assert_equal_runs(ref, got)
+
+
+def test_plain_paddle_reentrant_refuses_to_return_a_leaf_input():
+    lin = paddle.nn.Linear(4, 4)
+    x = paddle.randn([2, 4])
+    x.stop_gradient = False
+    with pytest.raises(ValueError, match="inplace"):
+        native_recompute(lambda h: (lin(h), h), x)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_returning_an_input_that_needs_no_grad_keeps_it_stop_gradient(use_reentrant):
+    """A mask passed through a reentrant block came back differentiable; it stays
+    stop_gradient=True, as without recompute."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        mask = paddle.ones([2, 4])
+        out, m = rc(lambda h, k: (lin(h) * k, k), x, mask)
+        return [out, m], [x, lin.weight]
+    ref, got = _ref_and_ours(build, use_reentrant)
+    rs, gs = _assert_equal_runs(ref, got)
+    assert rs == gs == [False, True]
+
+
+@pytest.mark.parametrize("inputs_need_grad", [True, False])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_returning_a_dict(use_reentrant, inputs_need_grad):
+    """Reentrant: plain Paddle's PyLayer refuses a dict ("At least one output of
+    `PyLayer.forward` is a `Tensor`"); ours returns the same dict as no recompute."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = not inputs_need_grad
+        out = rc(lambda h: {"y": lin(h), "z": paddle.tanh(h) * 2.0}, x)
+        assert isinstance(out, dict) and list(out) == ["y", "z"]
+        return [out["y"], out["z"]], [x, lin.weight, lin.bias]
+    ref, got = _ref_and_ours(build, use_reentrant)
+    _assert_equal_runs(ref, got)
+
+
+def test_reentrant_block_output_made_under_no_grad():
+    """An output computed under paddle.no_grad() inside the block (the input needs a
+    gradient, the output does not depend on it differentiably): backward raised
+    RuntimeError "none of the recomputed outputs needs a gradient"; now, as without
+    recompute, no gradient flows from it and the rest is right."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+
+        def f(h):
+            with paddle.no_grad():
+                c = lin(h)
+            return c, lin(h)
+        c, y = rc(f, x)
+        return [c, y], [x, lin.weight]
+    ref, got = _ref_and_ours(build, True)
+    _assert_equal_runs(ref, got)
+    # the no_grad output alone: a loss of it alone gives nothing (and no error)
+    lin = paddle.nn.Linear(4, 4)
+    x = paddle.randn([2, 4])
+    x.stop_gradient = False
+
+    def g(h):
+        with paddle.no_grad():
+            return lin(h) * 1.0
+    out = paddle_mgrad.recompute(g, x)
+    if not out.stop_gradient:
+        out.sum().backward()
+    assert x.grad is None or not np.any(x.grad.numpy())
+    assert lin.weight.grad is None

@@ -117,7 +117,7 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
             function, args, kwargs, "recompute_hybrid")
         outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs, anchor,
                                  determinism_check_mode())
-    if is_tensor(outputs):
+    if is_tensor(outputs) or isinstance(outputs, dict):
         return outputs
     outputs = tuple(outputs)
     if len(outputs) == 1:

@@ -49,7 +49,7 @@ from ..autograd import passes as autograd_passes
 from ..autograd import backward_errors as _errors
 from . import rng as _rng
 from . import non_reentrant as _non_reentrant
-from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, detached_view, fingerprint,
+from .tensors import (FINGERPRINT_FIELDS, any_needs_grad, buffer_sharing_tensor, detached_view, fingerprint,
                       fingerprint_mismatch, function_name, spec)
 
 # Arguments are encoded into a layout plus a flat list of tensors: every tensor
@@ -95,6 +95,7 @@ class Offload:
     subclasses it (offload of every input, mp partitioning)."""
 
     mark_frozen = False  # mark inputs with stop_gradient=True non-differentiable (fleet hybrid)
+    dict_keys = None  # the block returned a dict with these keys (set by forward)
 
     def __init__(self, indices=()):
         self.indices = list(indices)
@@ -174,6 +175,36 @@ def _reuse_error(layer):
         "forward again before each backward().")
 
 
+def _fresh_outputs(outputs, tensors):
+    """``(outputs, frozen)``: each output that *is* one of the PyLayer's tensor inputs
+    (a block returning its residual or a mask) replaced by a new tensor sharing its
+    buffer, and those of them whose input needs no gradient.
+
+    Paddle treats a PyLayer output that is one of its inputs as an in-place result: a
+    leaf input that needs a gradient raises "Leaf Var ... can't use inplace strategy"
+    (plain Paddle's reentrant recompute too), a non-leaf one has its graph rewired.  A
+    new tensor is an ordinary output; one whose input needs no gradient is marked
+    non-differentiable, so it keeps ``stop_gradient=True`` as without recompute."""
+    single = is_tensor(outputs)
+    items = [outputs] if single else outputs
+    if not isinstance(items, (tuple, list)):
+        return outputs, []
+    inputs = {id(t): t for t in tensors}
+    fresh, frozen = [], []
+    for o in items:
+        if is_tensor(o) and id(o) in inputs:
+            new = buffer_sharing_tensor(o)  # own DenseTensor (detach() shares the input's)
+            if inputs[id(o)].stop_gradient:
+                frozen.append(new)
+            o = new
+        fresh.append(o)
+    if not frozen and all(a is b for a, b in zip(fresh, items)):
+        return outputs, []
+    if single:
+        return fresh[0], frozen
+    return type(items)(fresh) if isinstance(items, tuple) else fresh, frozen
+
+
 class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
     """Paddle's reentrant recompute as a PyLayer.  A :class:`GuardedPyLayer`: a second
     ordinary backward through the same node raises :class:`RecomputeError` instead of the
@@ -192,16 +223,22 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         with _rng.exclusive(preserve_rng_state), paddle.no_grad():  # see rng.py
             ctx.rng = _rng.capture() if preserve_rng_state else None
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
+        if isinstance(outputs, dict):
+            # a PyLayer returns tensors, or tuples/lists of them: hand back the values,
+            # run() rebuilds the dict (plain Paddle raises "At least one output ...")
+            stash.dict_keys = list(outputs)
+            outputs = tuple(outputs.values())
+        ctx.dict_keys = stash.dict_keys
         # determinism check: "shapes" compares the outputs' shapes/dtypes, "values" also
         # their fingerprints, "none" nothing
         ctx.output_specs = _output_specs(outputs) if check != "none" else None
         ctx.prints = _output_prints(outputs) if check == "values" else None
+        outputs, frozen = _fresh_outputs(outputs, tensors)
         if stash.mark_frozen:
-            # As fleet's recompute_hybrid: an output that *is* a stop_gradient input
-            # (pipeline stages pass masks through) must not become differentiable.
-            frozen = [t for t in tensors if t.stop_gradient]
-            if frozen:
-                ctx.mark_non_differentiable(*frozen)
+            # As fleet's recompute_hybrid: (pipeline stages pass masks through)
+            frozen += [t for t in tensors if t.stop_gradient]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
         ctx.save_for_backward(*stash.pack(tensors))
         # last: the block's own PyLayers (our fused linears) took their guards already
         autograd_passes.stash_guard(
@@ -223,6 +260,9 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
                 outputs = ctx.run_function(*run_args, **ctx.kwargs)
         finally:
             t._has_grad = has_grad
+        if ctx.dict_keys is not None and isinstance(outputs, dict) \
+                and list(outputs) == ctx.dict_keys:
+            outputs = tuple(outputs.values())
         specs = _output_specs(outputs) if ctx.output_specs is not None else None
         if specs != ctx.output_specs:
             err = RecomputeError(
@@ -325,10 +365,14 @@ def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, ancho
         check="shapes"):
     """Apply the PyLayer (shared with :mod:`.hybrid`)."""
     _errors.install()  # RecomputeError from backward keeps its type
-    return _ReentrantRecompute.apply(
+    outputs = _ReentrantRecompute.apply(
         function, preserve_rng_state, stash, layout, call_kwargs, check, len(tensors),
         *tensors, *anchor,
     )
+    if stash.dict_keys is not None:
+        outputs = (outputs,) if is_tensor(outputs) else outputs
+        return dict(zip(stash.dict_keys, outputs))
+    return outputs
 
 
 def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
