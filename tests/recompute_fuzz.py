@@ -190,8 +190,10 @@ def run_case(case, how):
         if how == "none":
             return function(*args, **kwargs)
         if how.startswith("native"):
+            # Paddle 2.6's non-reentrant recompute cannot preserve RNG state on CPU at all;
+            # this run only asks whether Paddle refuses the pattern itself
             return native_recompute(function, *args, use_reentrant=use_reentrant,
-                                    preserve_rng_state=case.preserve_rng, **kwargs)
+                                    preserve_rng_state=False, **kwargs)
         if expects_value_check(case):
             kwargs["determinism_check"] = "values"
         return paddle_mgrad.recompute(function, *args, use_reentrant=use_reentrant,

@@ -78,3 +78,21 @@ def test_recompute_equals_no_recompute(case):
 
 if SEED is not None:
     test_recompute_equals_no_recompute = seed(int(SEED))(test_recompute_equals_no_recompute)
+
+
+def test_the_oracle_sees_a_lost_gradient(monkeypatch):
+    """The fuzzer's own mutation check: issue 24's case (data input, the parameter argument
+    ``extra`` frozen too) passes, and fails again once the reentrant path stops noticing
+    that no argument needs a gradient."""
+    import pytest
+    from paddle_mgrad.recomputation import reentrant
+    from recompute_fuzz import Case
+
+    case = Case(mode="reentrant", fused=True, preserve_rng=True, x0_source="data", x1_grad=None,
+                pair_grad=None, ops=("lin_a", "tanh"), out="tensor", tied=False, mix="all",
+                frozen=((False,) * 6 + (True,),) * 2, nested_mode="reentrant", scale=1.0,
+                shift_kw=0.0, seed=0)
+    assert check_case(case) == "equal"
+    monkeypatch.setattr(reentrant, "any_needs_grad", lambda obj: True)
+    with pytest.raises(AssertionError, match="lin_a.weight.main_grad"):
+        check_case(case)
