@@ -4,7 +4,7 @@
     pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
     nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
-    nox -s fleet                         # 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
+    nox -s fleet                         # tests/fleet/launch: 2-rank fleet hybrid parallel (TP/SP/sharding/PP)
     nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
     nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
 
@@ -71,7 +71,7 @@ def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                "--ignore=tests/fleet", "--ignore=tests/formers", *session.posargs, env=ENV)
+                "--ignore=tests/fleet/launch", "--ignore=tests/formers", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -102,13 +102,13 @@ def nlp272(session):
 @nox.parametrize("paddle", list(PADDLE_PINS))
 @_frees_venv
 def fleet(session, paddle):
-    """Fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP, TP2+mp_async_allreduce,
-    TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter (3.x, with and without
-    the fused op), sharding stage1, PP2, PP2 with recompute_interval)
+    """tests/fleet/launch: fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP,
+    TP2+mp_async_allreduce, TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter
+    (3.x, with and without the fused op), sharding stage1, PP2, PP2 with recompute_interval)
     against a one-process run, PaddleNLP 2.8.1's tiny llama; and Paddle 3.x's zero-bubble
     DualPipeV schedule (deferred weight gradients through our op) against a one-process run."""
     _install(session, paddle, NLP_PINS)
-    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet", *session.posargs,
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/fleet/launch", *session.posargs,
                 env=ENV)
 
 
@@ -179,7 +179,7 @@ def gpu_wheel(session):
     # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
     session.run("pytest", "-q", "-p", "no:cacheprovider", "tests", "--ignore=tests/nlp",
-                "--ignore=tests/fleet", "--ignore=tests/formers", "--deselect",
+                "--ignore=tests/fleet/launch", "--ignore=tests/formers", "--deselect",
                 "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
                 *session.posargs, env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
 

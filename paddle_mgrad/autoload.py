@@ -11,7 +11,7 @@ lets Paddle import, then calls :func:`activate` here -- before the script's
 next line, so modelling code imported afterwards is covered as with
 :func:`paddle_mgrad.enable`.
 
-:func:`activate` parses the value (:func:`paddle_mgrad.switch.parse_activation`),
+:func:`activate` parses the value (:func:`paddle_mgrad.env.parse_activation`),
 enables the features, loads the op when ``fused_linear`` is on and logs one
 line to stderr (each rank of a launch, prefixed with its rank)::
 
@@ -34,7 +34,8 @@ import sys
 
 from . import env, stats
 from .errors import FlagError
-from .switch import enable, enabled, parse_activation
+from .env import parse_activation
+from .switch import enable, enabled
 
 __all__ = ["activate", "ENV", "REPORT_ENV"]
 

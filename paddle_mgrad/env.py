@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .errors import EnvError
+from .errors import EnvError, FlagError
 
 __all__ = ["Knob", "KNOBS", "get", "raw", "problems", "check", "EnvError"]
 
@@ -75,10 +75,31 @@ def _path(text: str) -> Optional[str]:
     return os.path.expanduser(text)
 
 
-def _activation(text: str):
-    from .switch import parse_activation  # local: switch imports the registry
+#: what ``PADDLE_MGRAD`` accepts (comma-separated features, ``all``; ``0``/empty = off)
+ACTIVATION_VALUES = ("recompute", "fused_linear", "all", "0")
 
-    return parse_activation(text)
+
+def parse_activation(value) -> dict:
+    """Parse a ``PADDLE_MGRAD`` value into ``{"recompute": bool, "fused_linear": bool}``.
+
+    ``recompute``, ``fused_linear``, both comma-separated (spaces and case
+    ignored), ``all`` (both); ``None``, empty or ``0``: nothing.  Anything else
+    raises :class:`~paddle_mgrad.FlagError` with a one-line message.
+    """
+    out = {"recompute": False, "fused_linear": False}
+    text = (value or "").strip().lower()
+    if text in ("", "0"):
+        return out
+    for item in (part.strip() for part in text.split(",")):
+        if item == "all":
+            out.update(recompute=True, fused_linear=True)
+        elif item in out:
+            out[item] = True
+        else:
+            raise FlagError(
+                f"PADDLE_MGRAD={value!r}: unknown value {item!r}; allowed: recompute, fused_linear "
+                "(comma-separated), all, or 0/empty for off")
+    return out
 
 
 @dataclass(frozen=True)
@@ -92,7 +113,7 @@ class Knob:
 
 KNOBS: Tuple[Knob, ...] = (
     Knob("PADDLE_MGRAD", "recompute, fused_linear (comma-separated), all, or 0/empty for off",
-         _activation, None,
+         parse_activation, None,
          "switch paddle_mgrad on in every process of this environment (the .pth hook)"),
     Knob("PADDLE_MGRAD_OPS", "auto (default) or python", _choice("auto", "python"), "auto",
          "python: force the pure-Paddle fallback of the fused weight-gradient op"),
@@ -149,7 +170,7 @@ def get(name: str, environ=None):
     try:
         return knob.parse(text)
     except ValueError as e:
-        # PADDLE_MGRAD's own parser (switch.parse_activation) already names the bad item
+        # PADDLE_MGRAD's own parser (parse_activation) already names the bad item
         raise EnvError(str(e) if knob.name == PREFIX else _message(knob, text)) from None
 
 

@@ -12,11 +12,11 @@ Forward is Paddle's own ``linear``.  In an ordinary ``backward()`` the PyLayer c
 * otherwise, if ``param.grad`` exists: the op accumulates into it in place (and clears
   Paddle's "fake empty" mark that ``clear_grad(set_to_zero=True)`` leaves, see
   :func:`_written`);
-* otherwise -- or when the parameter has a user gradient hook (:mod:`.param_hooks`),
+* otherwise -- or when the parameter has a user gradient hook (:mod:`.autograd.param_hooks`),
   which must see the gradient and may replace it -- a fresh gradient is returned (in the
   parameter's dtype) and Paddle accumulates it as without us.
 
-In a ``paddle.grad`` pass (:mod:`.autograd_passes`) it returns plain gradients exactly
+In a ``paddle.grad`` pass (:mod:`.autograd.passes`) it returns plain gradients exactly
 at the slots Paddle wants, computed with differentiable Paddle ops (double backward), and
 touches neither ``.grad`` nor ``main_grad``.  Under ``auto_cast`` O1 the product may run in
 bf16/fp16 for float32 ``x``/weight: ``dx`` is computed in ``dy``'s dtype and returned in
@@ -28,6 +28,13 @@ attributes, which no saved-tensor hook touches.  Paddle's non-reentrant
 recompute would hand back a ``<name>cpy`` copy without ``main_grad``; the
 attribute keeps the real object (like Megatron keeps what it needs on ``ctx``).
 Holding the parameter costs nothing: the model holds it anyway.
+
+Internal interface (``INTERNAL``): the fleet linears (:mod:`paddle_mgrad.fleet.overlap_linear`,
+:mod:`paddle_mgrad.fleet.sp_overlap_linear`) are the same PyLayer with a collective around the
+input gradient, so they share this module's forward stash, main_grad checks and gradient paths
+by these names.  They are internal to paddle_mgrad -- not in ``__all__``, not re-exported by the
+package, free to change with it -- but named without an underscore because another module
+calls them; everything with an underscore is this module's own.
 """
 from __future__ import annotations
 
@@ -38,6 +45,16 @@ from .errors import FusedLinearError
 from .registry import original
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
+
+# Internal to paddle_mgrad (module docstring): what other modules of the package call.
+INTERNAL = (
+    "check_main_grad",        # main_grad of the parameter's master-gradient dtype, or None
+    "check_main_grads",       # ... for weight and bias, when they need a gradient
+    "stash_for_backward",     # forward-time ctx setup of our linear PyLayers
+    "weight_and_bias_grads",  # the fused op into main_grad/.grad (ordinary backward)
+    "plain_param_grads",      # plain weight/bias gradients (a paddle.grad pass)
+    "functional_grads",       # a whole paddle.grad-pass backward, dx supplied by the caller
+)
 
 # Set on the copies Paddle's reentrant recompute makes of parameter arguments:
 # the real parameter, whose main_grad the backward must write.
@@ -52,7 +69,7 @@ def _wants_grad(p) -> bool:
 def _accumulator(p):
     """Where p's gradient goes: ('main_grad', t|None), ('grad', t) or ('fresh', None).
 
-    A parameter with a user gradient hook (:mod:`.param_hooks`) gets a fresh gradient:
+    A parameter with a user gradient hook (:mod:`.autograd.param_hooks`) gets a fresh gradient:
     Paddle hands it to the hooks and accumulates the hooks' result, as without us."""
     if param_hooks.has_user_hooks(p):
         return "fresh", None
@@ -90,7 +107,7 @@ def _dtname(dtype) -> str:
     return name
 
 
-def _check_main_grad(p):
+def check_main_grad(p):
     """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
     master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
     parameter: the op's accumulator rule (``ops.acc_dtypes``), the dtype the first backward
@@ -105,23 +122,23 @@ def _check_main_grad(p):
             f"(the master gradient of a {_dtname(p.dtype)} parameter)")
 
 
-def _check_main_grads(weight, bias):
-    """:func:`_check_main_grad` for each of ``weight``/``bias`` that needs a gradient."""
+def check_main_grads(weight, bias):
+    """:func:`check_main_grad` for each of ``weight``/``bias`` that needs a gradient."""
     for p in (weight, bias):
         if p is not None and not p.stop_gradient:
-            _check_main_grad(p)
+            check_main_grad(p)
 
 
-def _stash_for_backward(ctx, x, weight, bias):
+def stash_for_backward(ctx, x, weight, bias):
     """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linears).
 
-    Checks every parameter that needs a gradient with :func:`_check_main_grad` -- a
+    Checks every parameter that needs a gradient with :func:`check_main_grad` -- a
     non-fp32 ``main_grad`` fails here, in forward, with a :class:`FusedLinearError`, not
     deep inside Paddle's backward engine -- then saves only ``x`` with
     ``save_for_backward`` (recompute may drop it) and keeps ``weight``/``bias`` on ``ctx``
     as the real objects, out of reach of saved-tensor hooks (module docstring).
     """
-    _check_main_grads(weight, bias)
+    check_main_grads(weight, bias)
     backward_errors.install()  # a FusedLinearError in backward keeps its type; paddle.grad
     if not registry.is_installed("Tensor.register_hook"):  # fused_linear without enable()
         registry.ensure("Tensor.register_hook")
@@ -132,12 +149,12 @@ def _stash_for_backward(ctx, x, weight, bias):
     ctx.x_needs_grad = not x.stop_gradient
 
 
-def _weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
+def weight_and_bias_grads(x, dy, weight, bias, transpose_weight):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle.
 
     Runs in backward: a :class:`FusedLinearError` (say, a ``main_grad`` swapped for one of
     another shape after the forward) is recorded so that it reaches the caller of
-    ``backward()`` as itself, not as Paddle's ``OSError`` (:mod:`.backward_errors`)."""
+    ``backward()`` as itself, not as Paddle's ``OSError`` (:mod:`.autograd.backward_errors`)."""
     try:
         return _fused_grads(x, dy, weight, bias, transpose_weight)
     except FusedLinearError as e:
@@ -170,7 +187,7 @@ def _input_grad(dy, weight, transpose_weight, x_dtype):
     return dx if dy_name == _dtname(x_dtype) else dx.astype(x_dtype)
 
 
-def _plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
+def plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
     """The weight/bias gradients as Paddle's linear computes them -- new tensors in the
     parameters' dtypes, nothing accumulated -- from differentiable Paddle ops (a
     ``paddle.grad`` pass; with create_graph the result has a graph)."""
@@ -211,9 +228,9 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
         w_acc = w_acc_name = None
         w_kind = "fresh"
     if w_kind == "main_grad":
-        _check_main_grad(weight)
+        check_main_grad(weight)
     if b_kind == "main_grad":
-        _check_main_grad(bias)
+        check_main_grad(bias)
     # multi-precision accumulators whenever the destination is main_grad or a .grad of that
     # dtype, or the parameter itself has it (float32 for float32/bf16/fp16 inputs)
     mp = w_kind == "main_grad" or w_acc_name == mp_name or _dtname(weight.dtype) == mp_name
@@ -256,15 +273,15 @@ def _fused_grads(x, dy, weight, bias, transpose_weight):
 
 
 def functional_grads(ctx, x, dy, fpass, dx_fn):
-    """Our linears' backward in a ``paddle.grad`` pass (:mod:`.autograd_passes`): plain
+    """Our linears' backward in a ``paddle.grad`` pass (:mod:`.autograd.passes`): plain
     gradients exactly at the slots Paddle wants, ``.grad``/``main_grad`` untouched.
     ``dx_fn()`` computes the input gradient (the overlap linears add their collective)."""
     weight, bias = ctx.weight, ctx.bias  # the forward's tensors: the graph's own edges
     need = fpass.slots(ctx.guard, 2 if bias is None else 3)
     stats.bump(stats.linear, "functional_backward")
     dx = dx_fn() if need[0] else None
-    dw, db = _plain_param_grads(x, dy, weight, bias, getattr(ctx, "transpose_weight", False),
-                                need[1], bias is not None and need[2])
+    dw, db = plain_param_grads(x, dy, weight, bias, getattr(ctx, "transpose_weight", False),
+                               need[1], bias is not None and need[2])
     return (dx, dw) if bias is None else (dx, dw, db)
 
 
@@ -279,7 +296,7 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
                 y = y + bias
         else:
             y = original("linear")(x, weight, bias)
-        _stash_for_backward(ctx, x, weight, bias)
+        stash_for_backward(ctx, x, weight, bias)
         ctx.transpose_weight = transpose_weight
         stats.bump(stats.linear, "forward")
         return y
@@ -301,7 +318,7 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         if ctx.x_needs_grad:
             dx = _input_grad(dy, weight, ctx.transpose_weight, x.dtype)
         with paddle.no_grad():
-            dw, db = _weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight)
+            dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight)
         autograd_passes.ran(ctx)
         if bias is None:
             return dx, dw

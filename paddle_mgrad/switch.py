@@ -4,12 +4,11 @@ Everything they change inside Paddle is listed in :mod:`paddle_mgrad.registry`.
 """
 from __future__ import annotations
 
-from .errors import FlagError
+# Re-exported: the parser lives with the variable it reads (env.py, a bottom module), so that
+# env does not import back up into the switch.
+from .env import ACTIVATION_VALUES, parse_activation
 
 __all__ = ["enable", "disable", "enabled", "parse_activation", "ACTIVATION_VALUES"]
-
-#: what ``PADDLE_MGRAD`` accepts (comma-separated features, ``all``; ``0``/empty = off)
-ACTIVATION_VALUES = ("recompute", "fused_linear", "all", "0")
 
 
 def enable(recompute: bool = True, fused_linear: bool = False):
@@ -31,7 +30,7 @@ def enable(recompute: bool = True, fused_linear: bool = False):
     non-tensor objects (bool, int, None, strings, ...) while saved-tensor hooks
     are active (registry entry ``PyLayerContext.save_for_backward``).
     """
-    from . import registry  # local: parse_activation must not import Paddle (env, doctor)
+    from . import registry  # local: importing the switch imports nothing of Paddle
 
     for feature, on in (("recompute", recompute), ("fused_linear", fused_linear)):
         if on:
@@ -65,26 +64,3 @@ def enabled() -> dict:
 
     return {"recompute": registry.is_installed("recompute"),
             "fused_linear": registry.is_installed("linear")}
-
-
-def parse_activation(value) -> dict:
-    """Parse a ``PADDLE_MGRAD`` value into ``{"recompute": bool, "fused_linear": bool}``.
-
-    ``recompute``, ``fused_linear``, both comma-separated (spaces and case
-    ignored), ``all`` (both); ``None``, empty or ``0``: nothing.  Anything else
-    raises :class:`~paddle_mgrad.FlagError` with a one-line message.
-    """
-    out = {"recompute": False, "fused_linear": False}
-    text = (value or "").strip().lower()
-    if text in ("", "0"):
-        return out
-    for item in (part.strip() for part in text.split(",")):
-        if item == "all":
-            out.update(recompute=True, fused_linear=True)
-        elif item in out:
-            out[item] = True
-        else:
-            raise FlagError(
-                f"PADDLE_MGRAD={value!r}: unknown value {item!r}; allowed: recompute, fused_linear "
-                "(comma-separated), all, or 0/empty for off")
-    return out

@@ -1,4 +1,4 @@
-"""Helpers for the op-cache tests (tests/test_build.py, tests/test_cache_security.py).
+"""Helpers for the op-cache tests (tests/ops/test_build.py, tests/ops/test_cache_security.py).
 
 JIT builds cost ~10-60 s each on a small box, so most cache tests do not build: they copy the
 build the suite already uses (:func:`good_build`) into temporary caches and run a fresh

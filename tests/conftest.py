@@ -12,13 +12,14 @@ import paddle_mgrad
 from paddle_mgrad._compat import IS_PADDLE_2
 
 PADDLE2 = IS_PADDLE_2
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))  # the shared helpers live here
+ROOT = os.path.dirname(TESTS)  # the checkout
 
 
 def run_probe_script(name, *args, timeout=300):
     """``python tests/<name> args...`` in a fresh interpreter, this checkout first on
     PYTHONPATH (crash probes: a signal shows as a negative return code, not a dead suite)."""
-    path = [os.path.dirname(TESTS)] + [
+    path = [ROOT] + [
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return subprocess.run([sys.executable, os.path.join(TESTS, name), *args],
                           capture_output=True, text=True, timeout=timeout,

@@ -1,4 +1,4 @@
-"""Crash probe for tests/test_save_for_backward.py: a PyLayer that saves ``(x, [a, b])`` -- a
+"""Crash probe for tests/recomputation/test_save_for_backward.py: a PyLayer that saves ``(x, [a, b])`` -- a
 list of tensors -- under non-reentrant recompute.  Paddle's own unpack of a list container
 segfaults (3.3.1: SIGSEGV in ``GradNodePyLayer``'s ``call_unpack_hook``); paddle_mgrad's
 ``save_for_backward`` flattens the list, so backward runs and the gradients equal a run

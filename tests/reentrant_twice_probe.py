@@ -1,4 +1,4 @@
-"""Crash probe for tests/test_recomputation.py: a second ordinary backward through the same
+"""Crash probe for tests/recomputation/test_recomputation.py: a second ordinary backward through the same
 reentrant ``recompute`` (``backward(retain_graph=True)`` then ``backward()``, or ``backward()``
 twice).  Paddle's reentrant recompute is a PyLayer; Paddle releases a PyLayer node's context
 after its first backward, so a second run dereferences it: plain Paddle (``fleet.utils

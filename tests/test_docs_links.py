@@ -138,6 +138,8 @@ REWORDED = {
 }
 
 
+_WINGS = "issue 25: modules and tests grouped in wings (autograd/, fleet/, diagnostics/, ...)"
+
 #: what the old README said that a later change made false: old text (whitespace-insensitive) ->
 #: (what the docs say now, which must be found there; why)
 UPDATED = {
@@ -202,6 +204,23 @@ UPDATED = {
     "It takes 25–27 minutes on 2 cores (measured, no pip cache).":
         ("It takes 36 minutes on 2 cores (measured, no pip cache; table below).",
          "re-timed on a clean clone after the issue 15-20 tests and the 2.7.2 leg were added"),
+    # issue 25: the package's wings (autograd/, fleet/, diagnostics/) and tests mirroring them
+    "`tests/test_recomputation.py`": ("`tests/recomputation/test_recomputation.py`", _WINGS),
+    "`tests/test_ops.py`": ("`tests/ops/test_ops.py`", _WINGS),
+    "(`nox -s fleet`, `tests/fleet/`)": ("(`nox -s fleet`, `tests/fleet/launch/`)", _WINGS),
+    "`tests/fleet/cpu_fleet_standins.py`": ("`tests/fleet/launch/cpu_fleet_standins.py`", _WINGS),
+    "Inside the package, one concept per module; `tests/test_import_graph.py` keeps the imports "
+    "free of loops.":
+        ("Inside the package, one concept per module, grouped in wings:", _WINGS),
+    "`backward_errors.py` (package top level, used by the recompute and the fused linear) gets":
+        ("`autograd/backward_errors.py` (used by the recompute and the fused linear) gets", _WINGS),
+    "`overlap_linear.py`": ("`fleet/overlap_linear.py`", _WINGS),
+    "`sp_overlap_linear.py`": ("`fleet/sp_overlap_linear.py`", _WINGS),
+    "`c_ops.py`": ("`fleet/c_ops.py`", _WINGS),
+    "`audit.py`": ("`diagnostics/audit.py`", _WINGS),
+    "**Switching on** — `switch.py` (`enable`/`disable`/`enabled`, parsing `PADDLE_MGRAD`);":
+        ("**Switching on** — `switch.py` (`enable`/`disable`/`enabled`; `PADDLE_MGRAD` is parsed "
+         "in `env.py`, with the variable);", _WINGS),
 }
 
 

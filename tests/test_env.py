@@ -291,7 +291,7 @@ def test_setup_build_ops_is_parsed_by_env(tmp_path, text, builds):
     """setup.py reads PADDLE_MGRAD_BUILD_OPS with paddle_mgrad.env's parser (loaded by path:
     setup.py cannot import the package): "false" no longer builds the op ahead of time, and a
     value it does not accept stops the build with env's message.  (The "1" case, a real
-    ahead-of-time build, is tests/test_build.py's.)"""
+    ahead-of-time build, is tests/ops/test_build.py's.)"""
     src = _source_copy(tmp_path)
     out = tmp_path / "lib"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_MGRAD")}

@@ -234,11 +234,11 @@ def test_low_precision_grad_accumulators():
     dy = paddle.randn([4, 3])
     wb = w.astype("bfloat16")
     wb.stop_gradient = False
-    from paddle_mgrad.linear import _weight_and_bias_grads
+    from paddle_mgrad.linear import weight_and_bias_grads
 
     with paddle.no_grad():
-        out_w, out_b = _weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"),
-                                              w, b, False)
+        out_w, out_b = weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"),
+                                             w, b, False)
     want_w = x.astype("bfloat16").astype("float32").numpy().T @ dy.astype("bfloat16").astype("float32").numpy()
     np.testing.assert_allclose(out_w.numpy(), want_w, rtol=1e-5, atol=1e-5)
     assert out_b.dtype == b.dtype
@@ -251,7 +251,7 @@ def test_low_precision_grad_accumulators():
     p = P()
     ptr = p.grad.data_ptr()
     with paddle.no_grad():
-        out_w, out_b = _weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"), p, b, False)
+        out_w, out_b = weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"), p, b, False)
     assert out_w is None and p.grad.data_ptr() == ptr
     np.testing.assert_allclose(p.grad.astype("float32").numpy(), want_w, rtol=2e-2, atol=2e-2)
     assert out_b is not None and out_b.dtype == b.dtype
@@ -353,7 +353,7 @@ def test_grad_accumulator_dtype_rule(x_dtype, grad_dtype, in_place):
     when the op's accumulator rule allows its dtype; otherwise the gradient comes back fresh in
     the parameter's dtype and .grad is left alone (float64 inputs with a float32 .grad included:
     the op accumulates float64 only in float64)."""
-    from paddle_mgrad.linear import _weight_and_bias_grads
+    from paddle_mgrad.linear import weight_and_bias_grads
 
     rs = np.random.RandomState(5)
     x = paddle.to_tensor(rs.standard_normal((7, 5))).astype(x_dtype)
@@ -370,7 +370,7 @@ def test_grad_accumulator_dtype_rule(x_dtype, grad_dtype, in_place):
     g0_64 = g0.astype("float64").numpy()
     want = x.astype("float64").numpy().T @ dy.astype("float64").numpy()
     with paddle.no_grad():
-        out_w, out_b = _weight_and_bias_grads(x, dy, P, None, False)
+        out_w, out_b = weight_and_bias_grads(x, dy, P, None, False)
     assert out_b is None
     tol = 1e-12 if "float64" in (x_dtype, grad_dtype) and in_place else 1e-5
     if in_place:
@@ -447,7 +447,7 @@ def test_autocast_product_dtype_differs_from_x(monkeypatch, bias, main_grad):
 def test_half_dy_weight_gradient_uses_the_autocast_product():
     """dy bf16 for float32 x (AMP O1 on GPU): the weight gradient is that of the product the
     forward ran -- x cast to bf16, as autocast cast it -- accumulated in fp32 main_grad."""
-    from paddle_mgrad.linear import _weight_and_bias_grads
+    from paddle_mgrad.linear import weight_and_bias_grads
 
     rs = np.random.RandomState(8)
     x = paddle.to_tensor(rs.standard_normal([6, 5]).astype("float32"))
@@ -457,7 +457,7 @@ def test_half_dy_weight_gradient_uses_the_autocast_product():
     w.main_grad = None
     b.main_grad = None
     with paddle.no_grad():
-        assert _weight_and_bias_grads(x, dy, w, b, False) == (None, None)
+        assert weight_and_bias_grads(x, dy, w, b, False) == (None, None)
     xb = x.astype("bfloat16").astype("float64").numpy()
     dyb = dy.astype("float64").numpy()
     assert w.main_grad.dtype == paddle.float32 and b.main_grad.dtype == paddle.float32

@@ -25,7 +25,7 @@ from ..autograd import passes as autograd_passes, backward_errors
 from .. import stats
 from .._compat import paddle
 from .collective_overlap import let_collective_start
-from ..linear import _stash_for_backward, _weight_and_bias_grads, functional_grads
+from ..linear import stash_for_backward, weight_and_bias_grads, functional_grads
 from ..registry import original
 
 __all__ = ["OverlapLinearWithGradAdd", "replace"]
@@ -37,7 +37,7 @@ class OverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
                 mp_fused_linear_param_grad_add, model_parallel_group):
-        _stash_for_backward(ctx, x, weight, bias)  # main_grad checked here, as in our linear
+        stash_for_backward(ctx, x, weight, bias)  # main_grad checked here, as in our linear
         ctx.group = model_parallel_group
         stats.bump(stats.linear, "overlap_forward")
         return forward_matmul(x, weight, bias, fuse_matmul_bias)
@@ -87,7 +87,7 @@ def grads_while(task, dx, x, dy, weight, bias):
     if task is not None:
         let_collective_start(dy)  # Paddle's warning + small launch (GPU, connections != 1)
     with paddle.no_grad():
-        dw, db = _weight_and_bias_grads(x, dy, weight, bias, False)
+        dw, db = weight_and_bias_grads(x, dy, weight, bias, False)
     if task is not None and hasattr(task, "wait"):
         task.wait()
     if bias is None:

@@ -29,7 +29,7 @@ from ..autograd import passes as autograd_passes, backward_errors
 from .. import stats
 from .._compat import paddle
 from .collective_overlap import let_collective_start
-from ..linear import _check_main_grads, _plain_param_grads, _stash_for_backward
+from ..linear import check_main_grads, plain_param_grads, stash_for_backward
 from .overlap_linear import forward_matmul, grads_while, input_grad
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]
@@ -47,10 +47,10 @@ class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather,
                 mp_fused_linear_param_grad_add, model_parallel_group):
-        _check_main_grads(weight, bias)  # before the all-gather: no collective on bad input
+        check_main_grads(weight, bias)  # before the all-gather: no collective on bad input
         input_parallel = _sp_utils().all_gather(x)
         # what backward's dW needs: the gathered input, or (recompute_allgather) x alone
-        _stash_for_backward(ctx, x if recompute_allgather else input_parallel, weight, bias)
+        stash_for_backward(ctx, x if recompute_allgather else input_parallel, weight, bias)
         ctx.x_needs_grad = not x.stop_gradient
         ctx.recompute_allgather = recompute_allgather
         ctx.group = model_parallel_group
@@ -98,8 +98,8 @@ class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         if need is not None:
             if task is not None and hasattr(task, "wait"):
                 task.wait()
-            dw, db = _plain_param_grads(input_parallel, dy, weight, bias, False, need[1],
-                                        bias is not None and need[2])
+            dw, db = plain_param_grads(input_parallel, dy, weight, bias, False, need[1],
+                                       bias is not None and need[2])
             return (dx, dw) if bias is None else (dx, dw, db)
         out = grads_while(task, dx, input_parallel, dy, weight, bias)
         autograd_passes.ran(ctx)

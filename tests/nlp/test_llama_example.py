@@ -72,7 +72,7 @@ def test_in_process_alias_is_patched():
 
 def test_native_recompute_without_the_fix(example, tmp_path):
     """Paddle 2.6's own non-reentrant recompute dies on CPU RNG; 3.x's runs (its main_grad
-    bugs need a user PyLayer to show, see tests/test_recomputation.py)."""
+    bugs need a user PyLayer to show, see tests/recomputation/test_recomputation.py)."""
     rc, out, s = example(tmp_path / "nofix", *STEPS, "--mgrad_fix_recompute", "false",
                          "--enable_linear_fused_grad_add", "false")
     if IS_PADDLE_2:

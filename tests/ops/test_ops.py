@@ -732,7 +732,7 @@ def test_c_api_zero_size_null_pointers_and_float64(tmp_path):
     and the accumulator rule is enforced by the core's one check."""
     import ctypes
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
     try:
         import bench_wgrad_gpu as gpu
     finally:
@@ -916,7 +916,7 @@ def test_bf16_and_fp16_paths_with_onednn_capped_at_avx2():
     r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                         "-W", "ignore", *[f"{here}::{t}" for t in ISA_CAPPED_TESTS]],
                        capture_output=True, text=True, env=env_, timeout=1200,
-                       cwd=os.path.dirname(os.path.dirname(here)))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(here))))
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     assert re.search(r"\d+ passed", r.stdout) and " failed" not in r.stdout, tail

@@ -1,6 +1,6 @@
 """CPU (gloo) stand-ins for the pieces of fleet hybrid parallelism Paddle has no CPU support for.
 
-TEST-ONLY: used by ``tests/fleet/train_hybrid.py`` so that tensor, sequence, sharding and
+TEST-ONLY: used by ``tests/fleet/launch/train_hybrid.py`` so that tensor, sequence, sharding and
 pipeline parallelism can run with 2 gloo ranks on a CPU machine.  Nothing here is part of
 paddle_mgrad, and none of it changes what paddle_mgrad patches: each stand-in replaces a
 Paddle communication primitive by the same math built on ``paddle.distributed``'s gloo

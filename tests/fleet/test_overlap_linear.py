@@ -1,6 +1,6 @@
 """fleet's overlap column linear (mp_async_allreduce) with paddle_mgrad's fused linear on:
 dW/db accumulate in place into fp32 main_grad through our op; dx is all-reduced.
-Single process, the all-reduce recorded (2-rank runs: tests/fleet)."""
+Single process, the all-reduce recorded (2-rank runs: tests/fleet/launch)."""
 import numpy as np
 import paddle
 import pytest

@@ -1,7 +1,7 @@
 """fleet's sequence-parallel overlap column linear (Paddle 3.x ``SPInnerOverlapLinear``,
 ``mp_configs.sp_async_reduce_scatter``) with paddle_mgrad's fused linear on: dW/db accumulate
 in place into fp32 main_grad through our op; dx is reduce-scattered asynchronously.
-Single process: a 2-rank group whose collectives are recorded (2-rank runs: tests/fleet)."""
+Single process: a 2-rank group whose collectives are recorded (2-rank runs: tests/fleet/launch)."""
 import numpy as np
 import paddle
 import pytest

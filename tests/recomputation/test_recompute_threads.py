@@ -26,14 +26,13 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 import paddle_mgrad
 from paddle_mgrad import RecomputeError
 from paddle_mgrad.recomputation import non_reentrant, saved_hooks
-from conftest import PADDLE2
+from conftest import PADDLE2, ROOT
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 
 N_THREADS, N_ITERS = 4, 50
 #: Paddle 2.6 refuses non-reentrant recompute beside other autograd threads (saved_hooks.py)
 PADDLE2_REFUSAL = "On Paddle 2.6 non-reentrant recompute needs saved-tensor hooks"
 LAYERS = [None, SaveWeightAlone, SaveAll, None]  # per thread: F.linear or a user PyLayer
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _data():

@@ -22,9 +22,8 @@ import pytest
 
 from cache_probe import (COMPILING, FAKE_COMPILE, compile_planted, copy_build, finish,
                          good_build, library_in, modes, result, run_probe)
+from conftest import ROOT
 from paddle_mgrad.ops import _build
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = textwrap.dedent("""
     import zlib, logging, sys
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout)

@@ -1,7 +1,7 @@
-"""A small fleet training driver for the 2-rank hybrid-parallel tests (tests/fleet/test_hybrid_parallel.py).
+"""A small fleet training driver for the 2-rank hybrid-parallel tests (tests/fleet/launch/test_hybrid_parallel.py).
 
-    python tests/fleet/train_hybrid.py --config ref_llama --out DIR        # 1 process, plain Paddle
-    python -m paddle.distributed.launch --nproc_per_node 2 tests/fleet/train_hybrid.py --config tp2 --out DIR
+    python tests/fleet/launch/train_hybrid.py --config ref_llama --out DIR        # 1 process, plain Paddle
+    python -m paddle.distributed.launch --nproc_per_node 2 tests/fleet/launch/train_hybrid.py --config tp2 --out DIR
 
 It does in code what PaddleNLP's Trainer does with ``--amp_master_grad --bf16
 --fp16_opt_level O2 --recompute --recompute_granularity full --recompute_use_reentrant false

@@ -1,7 +1,7 @@
-"""A small driver for the 2-rank zero-bubble pipeline test (tests/fleet/test_zero_bubble_pipeline.py).
+"""A small driver for the 2-rank zero-bubble pipeline test (tests/fleet/launch/test_zero_bubble_pipeline.py).
 
-    python tests/fleet/train_dualpipev.py --config ref --out DIR             # 1 process, plain Paddle
-    python -m paddle.distributed.launch --nproc_per_node 2 tests/fleet/train_dualpipev.py \\
+    python tests/fleet/launch/train_dualpipev.py --config ref --out DIR             # 1 process, plain Paddle
+    python -m paddle.distributed.launch --nproc_per_node 2 tests/fleet/launch/train_dualpipev.py \\
         --config dualpipev --out DIR --ref DIR
 
 Paddle 3.x's DualPipeV schedule (``hybrid_configs["pp_configs"].use_dualpipev``,

@@ -214,7 +214,7 @@ def test_lock_and_failed_marker_open_without_following_links(tmp_path):
 def test_created_directories_are_private_and_files_not_writable_by_others(tmp_path):
     """Whatever the umask (002 here): the cache root and every directory created are 0700, no
     file is group/world-writable.  (Compiler step faked; the real build is checked in
-    tests/test_build.py.)"""
+    tests/ops/test_build.py.)"""
     cache = tmp_path / "a" / "b" / "cache"
     res = result(run_probe(cache, tmp_path / "home", umask=0o002,
                            patch=FAKE_COMPILE.format(good=good_build()[2])))

@@ -1,4 +1,4 @@
-"""Helpers of the differential recompute fuzzer (tests/test_recompute_fuzz.py).
+"""Helpers of the differential recompute fuzzer (tests/recomputation/test_recompute_fuzz.py).
 
 A :class:`Case` (drawn by hypothesis from :func:`cases`) describes a small model and how
 a training loop calls it: which block inputs need a gradient, which parameters are frozen

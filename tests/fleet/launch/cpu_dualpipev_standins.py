@@ -1,7 +1,7 @@
 """CPU (gloo) stand-ins for the three pieces of Paddle 3.x's DualPipeV schedule that exist only
 for GPUs, so that the zero-bubble pipeline can run with 2 gloo ranks on a CPU machine.
 
-TEST-ONLY: used by ``tests/fleet/train_dualpipev.py``.  Nothing here is part of paddle_mgrad or
+TEST-ONLY: used by ``tests/fleet/launch/train_dualpipev.py``.  Nothing here is part of paddle_mgrad or
 changes what paddle_mgrad patches; the schedule itself (``DualPipeVParallel``, its
 ``WeightGradStore`` deferrals) is Paddle's, untouched.  Paddle 3.3.1 without them, on a CPU
 wheel (measured, 2 gloo ranks, ``meta_parallel/dualpipev.py``):

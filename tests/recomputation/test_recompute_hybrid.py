@@ -1,5 +1,5 @@
 """fleet's recompute_hybrid with paddle_mgrad on: single-process tests (a 1-rank or fake
-2-rank mp group).  The 2-rank pipeline run with recompute_interval is tests/fleet."""
+2-rank mp group).  The 2-rank pipeline run with recompute_interval is tests/fleet/launch."""
 import importlib
 
 import numpy as np

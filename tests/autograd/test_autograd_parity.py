@@ -23,10 +23,9 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import FusedLinearError, stats
-from conftest import PADDLE2
+from conftest import PADDLE2, ROOT, TESTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 F = paddle.nn.functional
 
 
@@ -81,7 +80,7 @@ def _both(scenario, *args, recompute=False):
 def _in_child(name, modes):
     """Run ``_child(name, modes)`` in a fresh interpreter (once per session): for each mode,
     ``{"plain": ..., "ours": ...}``.  The child must not end by a signal."""
-    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {HERE!r}]; import zlib; "
+    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {TESTS!r}, {HERE!r}]; import zlib; "
             f"import test_autograd_parity as t; t._child({name!r}, {modes!r})")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PADDLE_MGRAD", None)

@@ -19,9 +19,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import PADDLE2
+from conftest import PADDLE2, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import json, sys, traceback

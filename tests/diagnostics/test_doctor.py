@@ -19,9 +19,8 @@ import pytest
 from paddle_mgrad import _cli, ops
 from paddle_mgrad.diagnostics import doctor
 from paddle_mgrad.ops import _build, build_config
-from conftest import PADDLE2
+from conftest import PADDLE2, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVIDENCE = os.path.join(ROOT, "tests", "nlp", "evidence")
 
 
@@ -253,13 +252,13 @@ def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
     In process, with the site-packages list pointed at an empty directory: where the suite runs
     against a pip-installed paddle_mgrad (nox) the real site-packages *has* the .pth, so a
     doctor subprocess cannot see it missing there."""
-    from paddle_mgrad.diagnostics import doctor
+    from paddle_mgrad.diagnostics import collect, doctor
 
     empty = tmp_path / "site-packages"
     empty.mkdir()
-    monkeypatch.setattr(doctor, "_site_dirs", lambda: [str(empty)])
+    monkeypatch.setattr(collect, "_site_dirs", lambda: [str(empty)])
     monkeypatch.delitem(sys.modules, "paddle_mgrad_autoload", raising=False)
-    sw = doctor._switching_on({"PADDLE_MGRAD": "recompute"})
+    sw = collect._switching_on({"PADDLE_MGRAD": "recompute"})
     assert sw["pth"] == [] and not sw["autoload_ran_in_this_process"]
     found = [p for p in doctor.diagnose({"switch": sw}) if p["area"] == "switch on"]
     assert len(found) == 1, found
@@ -268,7 +267,7 @@ def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
     assert "pip install" in p["fix"] and "paddle_mgrad.enable()" in p["fix"]
     # the .pth in that directory: no problem
     shutil.copy(os.path.join(ROOT, "paddle_mgrad_autoload.pth"), empty)
-    sw = doctor._switching_on({"PADDLE_MGRAD": "recompute"})
+    sw = collect._switching_on({"PADDLE_MGRAD": "recompute"})
     assert [p for p in doctor.diagnose({"switch": sw}) if p["area"] == "switch on"] == []
 
 
