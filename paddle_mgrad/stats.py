@@ -14,8 +14,11 @@ __all__ = ["recompute", "linear", "paddle_c_ops", "fused_params", "reset", "snap
 _lock = threading.Lock()
 
 #: calls of paddle_mgrad.recompute by mode, of fleet's recompute_hybrid (ours), and
-#: recomputations run in backward
-recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0}
+#: recomputations run in backward; ``reentrant_as_non_reentrant``: of the reentrant and
+#: hybrid calls, those whose arguments needed no gradient, run non-reentrant
+#: (:mod:`paddle_mgrad.recomputation.reentrant`)
+recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0,
+             "reentrant_as_non_reentrant": 0}
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the
 #: op accumulated into main_grad, of those the zero-bubble deferred weight gradients

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from .. import stats
 from .._compat import is_tensor, paddle, tracer
-from . import reentrant as _reentrant
+from . import non_reentrant as _non_reentrant, reentrant as _reentrant
 from .api import determinism_check_mode
+from .tensors import any_needs_grad
 
 __all__ = ["recompute_hybrid"]
 
@@ -103,12 +104,19 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
     stash = _HybridStash(mp_group, ctx.get("offload", False), ctx.get("partition", False))
     if not tracer()._has_grad:
         outputs = function(*args, **kwargs)
+    elif not any_needs_grad((args, kwargs)):
+        # No argument needs a gradient (a first stage behind frozen embeddings): the
+        # PyLayer would get no grad node and the block's parameters no gradient, so it
+        # runs non-reentrant (reentrant module docstring); offload/partition concern
+        # saved inputs, and these are kept as they are.
+        stats.bump(stats.recompute, "reentrant_as_non_reentrant")
+        outputs = _non_reentrant.run(function, True, args, kwargs, determinism_check_mode())
     else:
         layout, tensors, call_kwargs, anchor = _reentrant._prepare(
             function, args, kwargs, "recompute_hybrid")
         outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs, anchor,
                                  determinism_check_mode())
-    if is_tensor(outputs):
+    if is_tensor(outputs) or isinstance(outputs, dict):
         return outputs
     outputs = tuple(outputs)
     if len(outputs) == 1:

@@ -212,6 +212,12 @@ def _value_problems(prints, recomputed):
 def recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check="shapes"):
     """Run ``function`` under hooks that drop activations and keep parameters."""
     stats.bump(stats.recompute, "non_reentrant")
+    return run(function, preserve_rng_state, args, kwargs, check)
+
+
+def run(function, preserve_rng_state, args, kwargs, check="shapes"):
+    """The non-reentrant recompute itself (also what a reentrant call whose inputs
+    need no gradient runs: :func:`.reentrant.recompute_reentrant`); counts nothing."""
     _hooks.install_save_shim()
     _errors.install()
     with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py

@@ -12,6 +12,24 @@ tensor keeps the ``PyLayer``'s outputs differentiable.  Every tensor argument,
 also inside a tuple or list, is its own ``PyLayer`` input, so each gets its own
 gradient slot (Paddle 2.6 drops the first element's gradient of a tuple).
 
+**No argument needs a gradient** (every tensor argument has ``stop_gradient=True``:
+a block fed by frozen embeddings, LoRA/adapter fine-tuning): the ``PyLayer`` would
+have no differentiable input, Paddle would create no grad node for it, and the
+parameters the block reads from ``self`` would silently get no gradient (plain
+Paddle logs "None of the inputs to current recompute block need grad" and drops
+them).  Only a forward *with* grad reveals which parameters the block uses, so
+such a call runs the non-reentrant implementation (:mod:`.non_reentrant`, same
+RNG/AMP replay and determinism checks): gradients equal those without recompute,
+outputs have the ``stop_gradient`` they would have without recompute, and a block
+with nothing to train builds no graph, saves nothing and is never recomputed.
+(A dummy differentiable input instead would make every frozen block's outputs
+differentiable and re-run it in backward for nothing.)  ``offload_indices`` does
+not apply to such a call: its arguments are kept where they are.
+
+An output that *is* one of the block's inputs (a block returning its residual)
+gets its gradient added to that input's in backward, not by back-propagating
+from it (see :meth:`_ReentrantRecompute.backward`).
+
 ``determinism_check="values"``: the forward runs without grad and saves no
 activations, so there is nothing per-activation to compare; instead each tensor
 *output* of the block is fingerprinted in forward and again after the re-run in
@@ -27,10 +45,11 @@ from .. import stats
 from .._compat import is_parameter, is_tensor, paddle, tracer
 from ..autograd import backward_errors as _errors, passes as autograd_passes
 from ..errors import RecomputeError
-from . import amp as _amp, rng as _rng
+from . import amp as _amp, non_reentrant as _non_reentrant, rng as _rng
 from .tensors import (
     FINGERPRINT_FIELDS,
     any_needs_grad,
+    buffer_sharing_tensor,
     detached_view,
     fingerprint,
     fingerprint_mismatch,
@@ -82,6 +101,7 @@ class Offload:
     subclasses it (offload of every input, mp partitioning)."""
 
     mark_frozen = False  # mark inputs with stop_gradient=True non-differentiable (fleet hybrid)
+    dict_keys = None  # the block returned a dict with these keys (set by forward)
 
     def __init__(self, indices=()):
         self.indices = list(indices)
@@ -161,6 +181,36 @@ def _reuse_error(layer):
         "forward again before each backward().")
 
 
+def _fresh_outputs(outputs, tensors):
+    """``(outputs, frozen)``: each output that *is* one of the PyLayer's tensor inputs
+    (a block returning its residual or a mask) replaced by a new tensor sharing its
+    buffer, and those of them whose input needs no gradient.
+
+    Paddle treats a PyLayer output that is one of its inputs as an in-place result: a
+    leaf input that needs a gradient raises "Leaf Var ... can't use inplace strategy"
+    (plain Paddle's reentrant recompute too), a non-leaf one has its graph rewired.  A
+    new tensor is an ordinary output; one whose input needs no gradient is marked
+    non-differentiable, so it keeps ``stop_gradient=True`` as without recompute."""
+    single = is_tensor(outputs)
+    items = [outputs] if single else outputs
+    if not isinstance(items, (tuple, list)):
+        return outputs, []
+    inputs = {id(t): t for t in tensors}
+    fresh, frozen = [], []
+    for o in items:
+        if is_tensor(o) and id(o) in inputs:
+            new = buffer_sharing_tensor(o)  # own DenseTensor (detach() shares the input's)
+            if inputs[id(o)].stop_gradient:
+                frozen.append(new)
+            o = new
+        fresh.append(o)
+    if not frozen and all(a is b for a, b in zip(fresh, items)):
+        return outputs, []
+    if single:
+        return fresh[0], frozen
+    return type(items)(fresh) if isinstance(items, tuple) else fresh, frozen
+
+
 class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
     """Paddle's reentrant recompute as a PyLayer.  A :class:`GuardedPyLayer`: a second
     ordinary backward through the same node raises :class:`RecomputeError` instead of the
@@ -179,16 +229,22 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         with _rng.exclusive(preserve_rng_state), paddle.no_grad():  # see rng.py
             ctx.rng = _rng.capture() if preserve_rng_state else None
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
+        if isinstance(outputs, dict):
+            # a PyLayer returns tensors, or tuples/lists of them: hand back the values,
+            # run() rebuilds the dict (plain Paddle raises "At least one output ...")
+            stash.dict_keys = list(outputs)
+            outputs = tuple(outputs.values())
+        ctx.dict_keys = stash.dict_keys
         # determinism check: "shapes" compares the outputs' shapes/dtypes, "values" also
         # their fingerprints, "none" nothing
         ctx.output_specs = _output_specs(outputs) if check != "none" else None
         ctx.prints = _output_prints(outputs) if check == "values" else None
+        outputs, frozen = _fresh_outputs(outputs, tensors)
         if stash.mark_frozen:
-            # As fleet's recompute_hybrid: an output that *is* a stop_gradient input
-            # (pipeline stages pass masks through) must not become differentiable.
-            frozen = [t for t in tensors if t.stop_gradient]
-            if frozen:
-                ctx.mark_non_differentiable(*frozen)
+            # As fleet's recompute_hybrid: (pipeline stages pass masks through)
+            frozen += [t for t in tensors if t.stop_gradient]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
         ctx.save_for_backward(*stash.pack(tensors))
         # last: the block's own PyLayers (our fused linears) took their guards already
         autograd_passes.stash_guard(
@@ -210,6 +266,9 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
                 outputs = ctx.run_function(*run_args, **ctx.kwargs)
         finally:
             t._has_grad = has_grad
+        if ctx.dict_keys is not None and isinstance(outputs, dict) \
+                and list(outputs) == ctx.dict_keys:
+            outputs = tuple(outputs.values())
         specs = _output_specs(outputs) if ctx.output_specs is not None else None
         if specs != ctx.output_specs:
             err = RecomputeError(
@@ -228,19 +287,32 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         # assumes); if it dropped non-tensor outputs, align with the tensors.
         if len(outputs) != len(grads):
             outputs = [o for o in outputs if is_tensor(o)]
+        # An output that *is* one of the (detached) inputs -- a block returning its
+        # residual -- gets its gradient added to that input's directly: it has no graph
+        # of its own to run, and handing a leaf to backward() beside a graph that also
+        # reaches it breaks Paddle 2.6's engine when a PyLayer (our fused linear) sits
+        # between them ("Unable to find next node in the GradTensorHolder").
+        position = {id(d): k for k, d in enumerate(detached)}
+        direct: dict = {}
         roots, root_grads = [], []
         for o, g in zip(outputs, grads):
-            if is_tensor(o) and not o.stop_gradient and g is not None:
+            if not is_tensor(o) or g is None:
+                continue
+            k = position.get(id(o))
+            if k is not None:
+                if not detached[k].stop_gradient:
+                    direct[k] = g if k not in direct else direct[k] + g
+            elif not o.stop_gradient:
                 roots.append(o)
                 root_grads.append(g)
-        if not roots:
-            raise RuntimeError(
-                "recompute: none of the recomputed outputs needs a gradient; "
-                "this recompute() is not necessary"
-            )
-        with paddle.amp.auto_cast(enable=False):
-            paddle.autograd.backward(roots, root_grads)
+        # No root: nothing in the block needed a gradient here (an output computed under
+        # no_grad, or from inputs that need none): as without recompute, no gradient flows.
+        if roots:
+            with paddle.amp.auto_cast(enable=False):
+                paddle.autograd.backward(roots, root_grads)
         result = [None if d.stop_gradient else d._grad_ivar() for d in detached]
+        for k, g in direct.items():
+            result[k] = g if result[k] is None else result[k] + g
         result.extend(paddle.zeros([1]) for _ in range(ctx.n_anchor))
         if _errors.current_pass() is None:  # paddle.grad runs a copy: the node stays usable
             autograd_passes.ran(ctx)
@@ -299,15 +371,27 @@ def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, ancho
         check="shapes"):
     """Apply the PyLayer (shared with :mod:`.hybrid`)."""
     _errors.install()  # RecomputeError from backward keeps its type
-    return _ReentrantRecompute.apply(
+    outputs = _ReentrantRecompute.apply(
         function, preserve_rng_state, stash, layout, call_kwargs, check, len(tensors),
         *tensors, *anchor,
     )
+    if stash.dict_keys is not None:
+        outputs = (outputs,) if is_tensor(outputs) else outputs
+        return dict(zip(stash.dict_keys, outputs))
+    return outputs
 
 
 def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
                         check="shapes"):
     """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
+    if not any_needs_grad((args, kwargs)):
+        # Nothing passed in needs a gradient, so the PyLayer would get no differentiable
+        # input and Paddle would make no grad node: parameters read inside the block
+        # (LoRA behind frozen embeddings) would silently get no gradient.  See the module
+        # docstring: the block runs non-reentrant instead.
+        stats.bump(stats.recompute, "reentrant")
+        stats.bump(stats.recompute, "reentrant_as_non_reentrant")
+        return _non_reentrant.run(function, preserve_rng_state, args, kwargs, check)
     stats.bump(stats.recompute, "reentrant")
     layout, tensors, call_kwargs, anchor = _prepare(
         function, args, kwargs, "recompute(use_reentrant=True)")

@@ -68,7 +68,7 @@ def buffer_sharing_tensor(t):
 FINGERPRINT_FIELDS = ("sum", "sum of squares", "position-weighted sample sum",
                       "non-finite pattern of the sample")
 _SAMPLE = 1024  # elements in the strided sample
-_weights: dict = {}  # (place, n) -> 1..n as float32 (tiny, shared)
+_weights: dict = {}  # (place, n) -> n fixed pseudo-random float32 weights (tiny, shared)
 # stand-ins for the non-finite values of the sample (field 3): distinct, finite, and
 # far from each other so that a NaN appearing or an inf changing sign moves the sum
 _NAN, _POSINF, _NEGINF = 3.0, 5.0, -7.0
@@ -78,7 +78,12 @@ def _sample_weights(n, place):
     key = (str(place), n)
     w = _weights.get(key)
     if w is None:
-        w = _weights[key] = paddle.to_tensor(np.arange(1, n + 1, dtype="float32"), place=place)
+        # fixed pseudo-random weights in [1, 2): with the weights 1..n, two different 0/1
+        # tensors with equal counts and equal position sums (a dropout mask {1, 4} and
+        # {2, 3}) had equal fingerprints -- common on small masks (issue 24's fuzzer)
+        rs = np.random.RandomState(0x5EED + n)
+        w = _weights[key] = paddle.to_tensor(rs.uniform(1.0, 2.0, n).astype("float32"),
+                                             place=place)
     return w
 
 

@@ -299,3 +299,25 @@ def test_fingerprint_mismatch_rules_for_non_finite_fields():
     assert fingerprint_mismatch(f([INF, 1.0, 1.0, 0.0]), f([3e38, 1.0, 1.0, 0.0])) == 0
     assert fingerprint_mismatch(f([1.0, np.nan, 1.0, 0.0]), f([1.0, 2.0, 1.0, 0.0])) == 1
     assert fingerprint_mismatch(f([1.0, 1.0, 1.0, 0.0]), f([1.0, 1.0, 1.0, 5.0])) == 3
+
+
+def test_fingerprint_tells_small_dropout_masks_apart():
+    """Issue 24's fuzzer: with position weights 1..n, two 0/1 masks with the same count and
+    the same position sum ({1, 4} and {2, 3} of 8) had equal fingerprints, so a dropout
+    replayed without its RNG state passed the values check with other gradients."""
+    a = np.zeros([2, 4], dtype="float32")
+    b = a.copy()
+    a.reshape(-1)[[1, 4]] = 1
+    b.reshape(-1)[[2, 3]] = 1
+    fa, fb = (fingerprint(paddle.to_tensor(m)).numpy() for m in (a, b))
+    assert fingerprint_mismatch(fa, fb) == 2
+    # and every pair of different 8-element masks with 1..3 ones
+    import itertools
+    masks = [m for k in (1, 2, 3) for m in itertools.combinations(range(8), k)]
+    prints = []
+    for m in masks:
+        t = np.zeros([8], dtype="float32")
+        t[list(m)] = 1
+        prints.append(fingerprint(paddle.to_tensor(t).astype("uint8")).numpy())
+    for i, j in itertools.combinations(range(len(masks)), 2):
+        assert fingerprint_mismatch(prints[i], prints[j]) is not None, (masks[i], masks[j])

@@ -723,3 +723,255 @@ def test_plain_paddle_reentrant_recompute_crashes_on_a_second_backward():
     release fixes it, this fails and tells us."""
     r = run_probe_script("reentrant_twice_probe.py", "native", "retain_then_backward")
     assert r.returncode != 0 and "RESULT " not in r.stdout, (r.returncode, r.stdout[-2000:])
+
+
+# ------------------------------- issue 24: inputs needing no grad, outputs that are inputs
+def _frozen_input_run(mode, impl, mix, fused, micro=2, frozen=()):
+    """Two micro-steps of a Sequential fed by data (stop_gradient=True), as LoRA behind
+    frozen embeddings; returns per-parameter (.grad, main_grad) as numpy or None."""
+    paddle_mgrad.disable()
+    if impl == "enabled" or fused:
+        paddle_mgrad.enable(recompute=True, fused_linear=fused)
+    paddle.seed(5)
+    m = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 8))
+    for name, p in m.named_parameters():
+        p.stop_gradient = name in frozen
+    if mix:
+        MixPrecisionLayer(m, dtype="float16")
+    rs = np.random.RandomState(11)
+    outs = []
+    for _ in range(micro):
+        x = paddle.to_tensor(rs.standard_normal([4, 8]).astype("float32"))  # needs no grad
+        if mode == "none":
+            y = m(x)
+        elif impl == "ours":
+            y = paddle_mgrad.recompute(m, x, use_reentrant=(mode == "reentrant"))
+        else:
+            y = native_recompute(m, x, use_reentrant=(mode == "reentrant"))
+        outs.append((y.stop_gradient, y.numpy()))
+        y.pow(2).mean().backward()
+    got = {}
+    for name, p in m.named_parameters():
+        mg = getattr(p, "main_grad", None)
+        got[name] = (None if p.grad is None else p.grad.numpy(),
+                     None if mg is None else mg.numpy())
+    paddle_mgrad.disable()
+    return outs, got
+
+
+def _assert_same_grads(got, ref):
+    assert got.keys() == ref.keys()
+    for name in ref:
+        for kind, g, r in zip((".grad", "main_grad"), got[name], ref[name]):
+            assert (g is None) == (r is None), f"{name}{kind}: {g is None=} vs reference {r is None=}"
+            if r is not None:
+                np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"{name}{kind}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("mix", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("impl", ["ours", "enabled"])
+def test_reentrant_inputs_need_no_grad_params_still_get_gradients(impl, mix, fused):
+    """Issue 24 (bug A): every input stop_gradient=True, use_reentrant=True: the block's
+    own parameters got no .grad / main_grad at all, silently (fused or plain linear)."""
+    ref_outs, ref = _frozen_input_run("none", "ours", mix, fused)
+    assert all(pair[1 if mix else 0] is not None for pair in ref.values())
+    outs, got = _frozen_input_run("reentrant", impl, mix, fused)
+    _assert_same_grads(got, ref)
+    for (sg, y), (rsg, ry) in zip(outs, ref_outs):
+        assert sg == rsg is False
+        np.testing.assert_allclose(y, ry, rtol=1e-6, atol=1e-6)
+
+
+def test_plain_paddle_reentrant_drops_gradients_of_a_block_with_frozen_inputs():
+    """What the fix is about: Paddle's own reentrant recompute leaves them None."""
+    _, got = _frozen_input_run("reentrant", "native", mix=False, fused=False)
+    assert all(g is None and mg is None for g, mg in got.values()), "Paddle fixed it"
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_frozen_inputs_some_params_frozen(mode):
+    frozen = ("0.weight", "2.bias")
+    _, ref = _frozen_input_run("none", "ours", True, True, frozen=frozen)
+    _, got = _frozen_input_run(mode, "ours", True, True, frozen=frozen)
+    _assert_same_grads(got, ref)
+    assert got["0.weight"] == (None, None)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_with_nothing_to_train_runs_without_error_or_recomputation(use_reentrant):
+    """Inputs and parameters all frozen: no error, outputs stop_gradient as without
+    recompute, and backward never recomputes the block."""
+    frozen = ("0.weight", "0.bias", "2.weight", "2.bias")
+    stats.reset()
+    for fused in (False, True):
+        outs, got = _frozen_input_run("reentrant" if use_reentrant else "non_reentrant",
+                                      "ours", True, fused, frozen=frozen)
+        ref_outs, _ = _frozen_input_run("none", "ours", True, fused, frozen=frozen)
+        assert all(g == (None, None) for g in got.values())
+        for (sg, y), (rsg, ry) in zip(outs, ref_outs):
+            assert sg is True and rsg is True
+            np.testing.assert_allclose(y, ry, rtol=1e-6, atol=1e-6)
+    assert stats.recompute["recomputations"] == 0
+
+
+def test_reentrant_with_frozen_inputs_and_trainable_parameter_argument():
+    """The parameter-argument anchor path (a trainable parameter passed in) together with
+    parameters read from self: both get their gradient once."""
+    paddle.seed(3)
+    lin = paddle.nn.Linear(4, 4)
+    w = paddle.create_parameter([4, 4], "float32")
+    x = paddle.randn([2, 4])
+
+    def f(h, weight):
+        return paddle.matmul(lin(h), weight)
+
+    f(x, w).sum().backward()
+    ref = [p.grad.numpy().copy() for p in (lin.weight, lin.bias, w)]
+    for p in (lin.weight, lin.bias, w):
+        p.clear_gradient(False)
+    paddle_mgrad.recompute(f, x, w, use_reentrant=True).sum().backward()
+    for p, r in zip((lin.weight, lin.bias, w), ref):
+        np.testing.assert_allclose(p.grad.numpy(), r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("used", ["both", "out_only"])
+@pytest.mark.parametrize("mix", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
+    """Issue 24 (bug B): a reentrant block returning its own non-leaf input beside a
+    (fused) linear's output failed on Paddle 2.6.2 in backward with "SystemError: (Fatal)
+    Unable to find next node in the GradTensorHolder"."""
+    def run(recomputed):
+        paddle_mgrad.disable()
+        paddle_mgrad.enable(recompute=True, fused_linear=fused)
+        paddle.seed(8)
+        lin = paddle.nn.Linear(4, 4)
+        if mix:
+            MixPrecisionLayer(lin, dtype="float16")
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        f = lambda h: (lin(h), h)  # noqa: E731
+        h = x * 1.0
+        out, same = (paddle_mgrad.recompute(f, h, use_reentrant=True, preserve_rng_state=False)
+                     if recomputed else f(h))
+        loss = out.sum() + (same * same).sum() if used == "both" else out.sum()
+        loss.backward()
+        gw = lin.weight.main_grad if mix else lin.weight.grad
+        res = (x.grad.numpy(), gw.numpy(), out.numpy(), same.numpy())
+        paddle_mgrad.disable()
+        return res
+    for g, r in zip(run(True), run(False)):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------- found by the differential fuzzer (issue 24)
+def _ref_and_ours(build, use_reentrant=True):
+    """``build(rc)`` -> (loss-able outputs, tensors whose grads to compare); no recompute vs ours."""
+    res = []
+    for rc in (lambda f, *a, **k: f(*a, **k),
+               lambda f, *a, **k: paddle_mgrad.recompute(f, *a, use_reentrant=use_reentrant, **k)):
+        paddle.seed(4)
+        outs, watch = build(rc)
+        loss = sum((o * (i + 1)).sum() for i, o in enumerate(outs) if not o.stop_gradient)
+        loss.backward()
+        res.append(([o.numpy() for o in outs], [o.stop_gradient for o in outs],
+                     [None if t.grad is None else t.grad.numpy() for t in watch]))
+    return res
+
+
+def _assert_equal_runs(ref, got):
+    (ro, rs, rg), (go, gs, gg) = ref, got
+    for a, b in zip(ro + rg, go + gg):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    return rs, gs
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_returning_its_leaf_input_that_needs_grad(use_reentrant):
+    """Reentrant: Paddle's PyLayer took the returned input for an in-place result and
+    raised "Leaf Var ... that doesn't stop gradient can't use inplace strategy" (plain
+    Paddle's reentrant recompute too); now the same as without recompute."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        out, same = rc(lambda h: (lin(h), h), x)
+        return [out, same], [x, lin.weight]
+    ref, got = _ref_and_ours(build, use_reentrant)
+    _assert_equal_runs(ref, got)
+
+
+def test_plain_paddle_reentrant_refuses_to_return_a_leaf_input():
+    lin = paddle.nn.Linear(4, 4)
+    x = paddle.randn([2, 4])
+    x.stop_gradient = False
+    with pytest.raises(ValueError, match="inplace"):
+        native_recompute(lambda h: (lin(h), h), x)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_returning_an_input_that_needs_no_grad_keeps_it_stop_gradient(use_reentrant):
+    """A mask passed through a reentrant block came back differentiable; it stays
+    stop_gradient=True, as without recompute."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        mask = paddle.ones([2, 4])
+        out, m = rc(lambda h, k: (lin(h) * k, k), x, mask)
+        return [out, m], [x, lin.weight]
+    ref, got = _ref_and_ours(build, use_reentrant)
+    rs, gs = _assert_equal_runs(ref, got)
+    assert rs == gs == [False, True]
+
+
+@pytest.mark.parametrize("inputs_need_grad", [True, False])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_block_returning_a_dict(use_reentrant, inputs_need_grad):
+    """Reentrant: plain Paddle's PyLayer refuses a dict ("At least one output of
+    `PyLayer.forward` is a `Tensor`"); ours returns the same dict as no recompute."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = not inputs_need_grad
+        out = rc(lambda h: {"y": lin(h), "z": paddle.tanh(h) * 2.0}, x)
+        assert isinstance(out, dict) and list(out) == ["y", "z"]
+        return [out["y"], out["z"]], [x, lin.weight, lin.bias]
+    ref, got = _ref_and_ours(build, use_reentrant)
+    _assert_equal_runs(ref, got)
+
+
+def test_reentrant_block_output_made_under_no_grad():
+    """An output computed under paddle.no_grad() inside the block (the input needs a
+    gradient, the output does not depend on it differentiably): backward raised
+    RuntimeError "none of the recomputed outputs needs a gradient"; now, as without
+    recompute, no gradient flows from it and the rest is right."""
+    def build(rc):
+        lin = paddle.nn.Linear(4, 4)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+
+        def f(h):
+            with paddle.no_grad():
+                c = lin(h)
+            return c, lin(h)
+        c, y = rc(f, x)
+        return [c, y], [x, lin.weight]
+    ref, got = _ref_and_ours(build, True)
+    _assert_equal_runs(ref, got)
+    # the no_grad output alone: a loss of it alone gives nothing (and no error)
+    lin = paddle.nn.Linear(4, 4)
+    x = paddle.randn([2, 4])
+    x.stop_gradient = False
+
+    def g(h):
+        with paddle.no_grad():
+            return lin(h) * 1.0
+    out = paddle_mgrad.recompute(g, x)
+    if not out.stop_gradient:
+        out.sum().backward()
+    assert x.grad is None or not np.any(x.grad.numpy())
+    assert lin.weight.grad is None

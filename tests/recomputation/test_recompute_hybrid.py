@@ -207,3 +207,36 @@ def test_needs_mp_group():
     paddle_mgrad.enable(recompute=True)
     with pytest.raises(ValueError, match="mp_group"):
         hybrid({"offload": True}, paddle.tanh, _x())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_inputs_needing_no_grad_still_train_the_block(fused):
+    """Issue 24 for recompute_hybrid (a first pipeline stage behind frozen embeddings): no
+    argument needs a gradient, the block's parameters get exactly the gradients of no
+    recompute, and a block with nothing to train stays untouched and unrecomputed."""
+    def run(use_hybrid, freeze_all=False):
+        paddle_mgrad.disable()
+        paddle_mgrad.enable(recompute=True, fused_linear=fused)
+        paddle.seed(99)
+        blk = Block(bias=True)
+        for p in blk.parameters():
+            p.stop_gradient = freeze_all
+        MixPrecisionLayer(blk, dtype="bfloat16")
+        for m in range(2):
+            x = _x(seed=m)
+            x.stop_gradient = True
+            y = hybrid({"mp_group": Group()}, blk, x) if use_hybrid else blk(x)
+            assert y.stop_gradient == freeze_all
+            y.sum().backward()
+        return [None if p.main_grad is None else p.main_grad.numpy() for p in blk.parameters()]
+
+    ref = run(False)
+    assert all(g is not None for g in ref)
+    stats.reset()
+    for g, r in zip(run(True), ref):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+    assert stats.recompute["reentrant_as_non_reentrant"] == 2
+    assert stats.recompute["recomputations"] == 2
+    stats.reset()
+    assert all(g is None for g in run(True, freeze_all=True))
+    assert stats.recompute["recomputations"] == 0
