@@ -171,7 +171,8 @@ def test_cuda_13_build_refuses_volta_even_without_bias(capi):
     anything, with or without a bias; a CUDA 12 build runs the bias-free GEMM there."""
     for has_db in (True, False):
         rc, steps, _, err = core(capi, capability=70, has_db=has_db)
-        assert rc == 1 and steps == [] and err.startswith("this GPU is sm_70 but paddle_mgrad's CUDA part was built with CUDA 13")
+        assert rc == 1 and steps == [] and err.startswith(
+            "this GPU is sm_70 but paddle_mgrad's CUDA part was built with CUDA 13")
         assert "dropped Maxwell, Pascal and Volta" in err and "PADDLE_MGRAD_NO_CUDA=1" in err
     rc, steps, _, err = core(capi, capability=70, has_db=False, cuda_major=12)
     assert rc == 0, err

@@ -18,8 +18,8 @@ results.
 
 CI: a fixed derandomized sequence of ``PADDLE_MGRAD_FUZZ_EXAMPLES`` examples (default 1200,
 about a minute per Paddle version on 2 cores).  A long run: ``PADDLE_MGRAD_FUZZ_EXAMPLES=4000
-PADDLE_MGRAD_FUZZ_SEED=24`` (another sequence; command and result in docs/development.md).  A failure prints the drawn :class:`recompute_fuzz.Case`: paste it
-into a named regression test.
+PADDLE_MGRAD_FUZZ_SEED=24`` (another sequence; command and result in docs/development.md).  A
+failure prints the drawn :class:`recompute_fuzz.Case`: paste it into a named regression test.
 """
 import os
 import re

@@ -94,7 +94,7 @@ def compile_only(build_dir):
         except CoreError as e:
             print(f"CUDA call without a GPU failed cleanly: {e}", flush=True)
             if "cuda" not in str(e).lower():
-                raise RuntimeError(f"unexpected error text from the CUDA core: {e}")
+                raise RuntimeError(f"unexpected error text from the CUDA core: {e}") from e
 
 
 def build(build_dir, cuda=True, targets=None):

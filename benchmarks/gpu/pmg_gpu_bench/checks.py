@@ -213,7 +213,7 @@ class Bench:
                 acc = "float64" if in_dtype == "float64" else "float32"
                 bufs = {}
 
-                def make(name, shape, dtype):
+                def make(name, shape, dtype, off=off, moved=moved, bufs=bufs):
                     o = off if name in moved else 0
                     buf, v = self.offset_view(shape, dtype, o, self.randn(shape, dtype))
                     bufs[name] = (buf, o, v)
@@ -314,7 +314,7 @@ class Bench:
             cur.wait_stream(s2)
             self.sync()
             oks, details = [], []
-            for ((M, K, N), dt, x, dy, mg, db, w0, b0) in probs:
+            for ((M, _K, _N), dt, x, dy, mg, db, w0, b0) in probs:
                 prod, absprod, colsum, abscolsum = self.reference(x, dy)
                 okw, rw, _ = self.compare(mg, prod, absprod, w0, M, "float32", dt, 3)
                 okb, rb, _ = self.compare(db, colsum, abscolsum, b0, M, "float32", dt, 3)
@@ -392,7 +392,7 @@ class Bench:
         for mode in ("auto", "kernel"):
             self.untouched_error(
                 "capability", f"simulated sm_70, bias {mode}", "sm_70",
-                lambda: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", sim=70, bias_mode=mode),
+                lambda mode=mode: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", sim=70, bias_mode=mode),
                 mg, db)
         # without bias only cuBLASLt runs: a CUDA 12 build runs it there; a CUDA 13 build refuses
         # (CUDA 13's libraries dropped Volta), leaving main_grad untouched
@@ -507,7 +507,7 @@ class Bench:
             inner = self.torch_alloc()
             refused = []
 
-            def tight(n, limit=first - 1):
+            def tight(n, limit=first - 1, refused=refused, inner=inner):
                 if n > limit:
                     refused.append(n)
                     return 0

@@ -54,13 +54,16 @@ def speed(bench):
         mg = torch.zeros(K, N, device=bench.dev, dtype=torch.float32)
         db = torch.zeros(N, device=bench.dev)
         flop = 2.0 * T * K * N
-        t_gemm = time_fn(bench, lambda: torch.matmul(x.T, dy))
-        t_ours = time_fn(bench, lambda: bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws))
-        t_bias = time_fn(bench, lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws))
+        t_gemm = time_fn(bench, lambda x=x, dy=dy: torch.matmul(x.T, dy))
+        t_ours = time_fn(bench, lambda x=x, dy=dy, mg=mg:
+                         bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws))
+        t_bias = time_fn(bench, lambda x=x, dy=dy, mg=mg, db=db:
+                         bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws))
         info = bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", **ws)
         t_kern = t_bias if bench.sim else time_fn(bench,
-            lambda: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode="kernel", **ws))
-        t_unf = time_fn(bench, lambda: mg.add_(torch.matmul(x.T, dy).float()))
+            lambda x=x, dy=dy, mg=mg, db=db:
+                bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode="kernel", **ws))
+        t_unf = time_fn(bench, lambda x=x, dy=dy, mg=mg: mg.add_(torch.matmul(x.T, dy).float()))
         row = {"shape": [T, K, N], "ours_ms": t_ours, "ours_with_bias_ms": t_bias,
                "ours_bias_kernel_ms": t_kern, "bf16_gemm_ms": t_gemm, "unfused_ms": t_unf,
                "ours_tflops": flop / t_ours / 1e9, "ours_vs_gemm": t_ours / t_gemm,
@@ -96,14 +99,16 @@ def bias_paths(bench):
         mg = torch.zeros(K, N, device=bench.dev, dtype=torch.float32)
         db = torch.zeros(N, device=bench.dev)
         row = {"name": name, "shape": [T, K, N],
-               "bf16_gemm_ms": time_fn(bench, lambda: torch.matmul(x.T, dy)),
-               "ours_ms": time_fn(bench, lambda: bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws)),
-               "colsum_ms": time_fn(bench, lambda: dy.sum(0, dtype=torch.float32))}
+               "bf16_gemm_ms": time_fn(bench, lambda x=x, dy=dy: torch.matmul(x.T, dy)),
+               "ours_ms": time_fn(bench, lambda x=x, dy=dy, mg=mg:
+                                  bench.call(x, dy, mg, None, 1.0, 1.0, "bfloat16", **ws)),
+               "colsum_ms": time_fn(bench, lambda dy=dy: dy.sum(0, dtype=torch.float32))}
         for mode in ("auto", "kernel", "epilogue"):
             try:
                 info = bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode=mode, **ws)
                 row[f"{mode}_ms"] = time_fn(
-                    bench, lambda m=mode: bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode=m, **ws))
+                    bench, lambda m=mode, x=x, dy=dy, mg=mg, db=db:
+                        bench.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", bias_mode=m, **ws))
                 if mode == "auto":
                     why = re.search(r"bias=\S+ \(([^)]*)\)", info)
                     row["auto_path"] = info_field(info, "bias")
