@@ -35,13 +35,11 @@ def check_cpu_core(core):
         ref_b = b0 + 3 * dy.astype("f8").sum(0)
         bw = error_bound(3 * np.abs(x.astype("f8")).T @ np.abs(dy.astype("f8")), np.abs(w0),
                          max(M, 1), "float32", "float32")
-        bb = error_bound(3 * np.abs(dy.astype("f8")).sum(0), np.abs(b0), max(M, 1), "float32",
-                         "float32")
+        bb = error_bound(3 * np.abs(dy.astype("f8")).sum(0), np.abs(b0), max(M, 1), "float32", "float32")
         okw, rw, _ = check_result(dw, ref_w, bw)
         okb, rb, _ = check_result(db, ref_b, bb)
         results.append({"shape": [M, K, N], "ok": okw and okb, "err/bound": max(rw, rb)})
     return results
-
 
 
 class Bench:
