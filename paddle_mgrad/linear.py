@@ -38,6 +38,8 @@ calls them; everything with an underscore is this module's own.
 """
 from __future__ import annotations
 
+import types
+
 from paddle import _C_ops
 
 from . import _compat, ops, registry, stats
@@ -225,6 +227,10 @@ _MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
                           or hasattr(_compat.EagerParamBase, "main_grad"))
 
 
+# what a tensor without ``__dict__`` (Paddle 2.6, not a parameter) holds: nothing; read only
+_NO_ATTRS = types.MappingProxyType({})
+
+
 def _main_grads_fast(x, dy, weight, bias, names):
     """The common case of :func:`_fused_grads` in fewer steps: x and dy of one dtype, ``weight``
     [K, N] and ``bias`` (or None) both needing a gradient, both with a ``main_grad`` attribute
@@ -233,11 +239,12 @@ def _main_grads_fast(x, dy, weight, bias, names):
     x_name, dy_name, w_name = names
     if x_name != dy_name or weight.stop_gradient or not _MAIN_GRAD_IN_DICT:
         return None
-    wd = weight.__dict__
+    # Paddle 2.6's plain (non-parameter) tensors have no __dict__, hence no main_grad either
+    wd = getattr(weight, "__dict__", _NO_ATTRS)
     if "main_grad" not in wd or param_hooks.has_user_hooks(weight):
         return None
     if bias is not None:
-        bd = bias.__dict__
+        bd = getattr(bias, "__dict__", _NO_ATTRS)
         if bias.stop_gradient or "main_grad" not in bd or param_hooks.has_user_hooks(bias):
             return None
         b_acc = bd["main_grad"]
@@ -393,10 +400,11 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
         # enable(fused_linear=True) tags it with the real parameter (ORIGIN).
         weight, bias = ctx.weight, ctx.bias
-        # (the tag lives in __dict__: looked up there, no AttributeError raised and caught)
-        weight = weight.__dict__.get(ORIGIN, weight)
+        # (the tag lives in __dict__: looked up there, no AttributeError raised and caught;
+        # Paddle 2.6's plain tensors have no __dict__ at all)
+        weight = getattr(weight, "__dict__", _NO_ATTRS).get(ORIGIN, weight)
         if bias is not None:
-            bias = bias.__dict__.get(ORIGIN, bias)
+            bias = getattr(bias, "__dict__", _NO_ATTRS).get(ORIGIN, bias)
         stats.bump(stats.linear, "backward")
         names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
         dx = None
