@@ -43,13 +43,19 @@ def _imports(path, name, modules):
     return out
 
 
-def import_graph():
+def _package_files():
+    """``{module name: path}`` for every ``.py`` file of the package."""
     files = {}
     for root, _, names in os.walk(PKG):
         for n in names:
             if n.endswith(".py"):
                 p = os.path.join(root, n)
                 files[_module_name(p)] = p
+    return files
+
+
+def import_graph():
+    files = _package_files()
     return {m: _imports(p, m, files) for m, p in files.items()}
 
 
@@ -169,12 +175,7 @@ def _borrowed_private_names():
     """``(importer, module, name)`` for each ``from m import _name`` between wings, where
     ``_name`` is not itself a module (private modules such as ``ops._build`` are imported by
     the doctor on purpose)."""
-    files = {}
-    for root, _, names in os.walk(PKG):
-        for n in names:
-            if n.endswith(".py"):
-                p = os.path.join(root, n)
-                files[_module_name(p)] = p
+    files = _package_files()
     out = []
     for name, path in sorted(files.items()):
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
