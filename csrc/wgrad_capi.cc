@@ -80,6 +80,15 @@ int finish(const std::string& msg, char* err, int err_len) {
   return 1;
 }
 
+// What the CUDA entry points (the real one and the fake GPU's) refuse before anything else, so
+// that the fake refuses exactly what the real one does.
+std::string cuda_entry_problem(const pmg::WgradArgs& a, int bias_mode) {
+  std::string bad = pmg::check_args(a);
+  if (bad.empty() && (bias_mode < 0 || bias_mode > 2))
+    bad = "bias_mode must be 0 (auto), 1 (epilogue) or 2 (kernel), got " + std::to_string(bias_mode);
+  return bad;
+}
+
 // A fake GPU for pmg::cuda_core_flow: answers from a PmgFakeGpu, records each step.
 struct FakeGpu {
   const PmgFakeGpu& cfg;
@@ -326,9 +335,7 @@ int pmg_wgrad_cuda_ex(const void* x, const void* dy, int in_dtype, int64_t M, in
                       int sim_capability, char* info, int info_len, char* err, int err_len) {
   const pmg::WgradArgs a =
       make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta);
-  std::string bad = pmg::check_args(a);
-  if (bad.empty() && (bias_mode < 0 || bias_mode > 2))
-    bad = "bias_mode must be 0 (auto), 1 (epilogue) or 2 (kernel), got " + std::to_string(bias_mode);
+  const std::string bad = cuda_entry_problem(a, bias_mode);
   if (!bad.empty()) return finish(bad, err, err_len);
   pmg::CudaExec exec;
   exec.device = device;
@@ -486,9 +493,7 @@ int pmg_fake_cuda_core(const void* x, const void* dy, int in_dtype, int64_t M, i
                        int report_len, char* err, int err_len) {
   const pmg::WgradArgs a =
       make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, dw_beta, db, db_dtype, db_beta);
-  std::string bad = pmg::check_args(a);
-  if (bad.empty() && (bias_mode < 0 || bias_mode > 2))
-    bad = "bias_mode must be 0 (auto), 1 (epilogue) or 2 (kernel), got " + std::to_string(bias_mode);
+  const std::string bad = cuda_entry_problem(a, bias_mode);
   if (!bad.empty()) return finish(bad, err, err_len);
   PmgFakeGpu cfg = {};
   if (gpu != nullptr) cfg = *gpu;
