@@ -33,16 +33,21 @@ without ``retain_graph``); a second ordinary backward through the node dereferen
 this would turn working code into a crash.  :class:`GuardedPyLayer` (base class of our
 PyLayers) registers a :class:`NodeGuard` as a gradient hook on each output: Paddle keeps the
 hook exactly as long as the node, runs it before it touches the context, and copies it into
-``paddle.grad``'s copies.  The guard knows the node's address; our backward marks it
-consumed when an ordinary pass ran it.  A later ordinary pass reaching it raises
-:class:`~paddle_mgrad.FusedLinearError` from the hook (before the crash); ``paddle.grad``
-checks the graph for consumed nodes before Paddle copies it.  ``paddle.grad`` passes do not
-consume nodes (they run copies), so any number of them, and an ordinary backward after
-them (the gradient-penalty pattern), work.
+``paddle.grad``'s copies.  Our backward marks the guard consumed when an ordinary pass ran
+it.  A later ordinary pass reaching it raises :class:`~paddle_mgrad.FusedLinearError` from
+the hook (before the crash); ``paddle.grad`` checks the graph for consumed nodes still alive
+before Paddle copies it.  ``paddle.grad`` passes do not consume nodes (they run copies), so
+any number of them, and an ordinary backward after them (the gradient-penalty pattern), work.
+
+**Node addresses.**  ``paddle.grad`` passes identify our nodes by address
+(:attr:`NodeGuard.ptr`).  Paddle's ``Tensor.grad_fn`` getter keeps the node it returns alive
+for good (~8 KiB per call, 2.6.2 and 3.3.1), so a forward that asked it leaked one node per
+fused linear per step: forwards ask it only once the process has run a ``paddle.grad``;
+before that a pass finds the address through a living output or by the node's edges
+(:meth:`FunctionalPass.slots`).
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
@@ -54,9 +59,16 @@ from . import backward_errors
 __all__ = ["GuardedPyLayer", "NodeGuard", "FunctionalPass", "stash_guard", "ran", "grad"]
 
 _pending = threading.local()  # the guard made by forward, picked up by apply
-# node address -> weakref to the NodeGuard of a node an ordinary backward already ran;
-# the guard dies with the node (Paddle drops the hook then), so an address is never stale
-_consumed: dict = {}
+# Weak references to the guards of nodes an ordinary backward already ran.  A guard dies with
+# its node (Paddle drops the hook then); dead references are purged in bulk (_purge) when the
+# list has doubled since the last purge.
+_consumed: list = []
+# set by the first paddle.grad of the process: from then on forwards record their node's
+# address (NodeGuard.ptr)
+_functional_seen = False
+_PURGE_MIN = 1024
+_purge_at = _PURGE_MIN
+_consumed_lock = threading.Lock()
 
 
 def _reuse_message(layer):
@@ -74,13 +86,32 @@ def _reuse_message(layer):
 class NodeGuard:
     """A gradient hook on the outputs of one of our PyLayer calls (see module doc)."""
 
-    __slots__ = ("ptr", "consumed", "layer", "error", "__weakref__")
+    __slots__ = ("_ptr", "out", "consumed", "layer", "error", "__weakref__")
 
     def __init__(self, layer, error=None):
-        self.ptr = None  # the graph node's address, set by GuardedPyLayer.apply
+        self._ptr = None  # the graph node's address, once asked (see ptr)
+        self.out = None  # weakref to an output of the node, set by GuardedPyLayer.apply
         self.consumed = False
         self.layer = layer
         self.error = error  # layer -> the exception to raise; None: FusedLinearError
+
+    @property
+    def ptr(self):
+        """The node's address, found through a still-living output (``Tensor.grad_fn``), or
+        None.
+
+        Paddle's ``grad_fn`` getter keeps the node it wraps alive for good (measured: ~8 KiB
+        per call on 2.6.2 and 3.3.1), so a forward that asked it leaked one node per fused
+        linear per step (issue 23).  Only ``paddle.grad`` passes need the address; so a
+        forward asks for it only once the process has run a ``paddle.grad`` (the address is
+        then known however the graph evolves: the behaviour, and the leak, of before), and
+        otherwise the pass finds it here, or by the node's edges (:meth:`FunctionalPass.slots`)."""
+        if self._ptr is None and self.out is not None:
+            t = self.out()
+            node = t.grad_fn if t is not None else None
+            if node is not None:
+                self._ptr = node.node_ptr()
+        return self._ptr
 
     def reuse_error(self):
         """The exception for a pass that reaches this already-run node."""
@@ -107,9 +138,15 @@ def stash_guard(ctx, layer=None, error=None):
     _pending.guard = guard
 
 
-def _forget(ptr, ref):
-    if _consumed.get(ptr) is ref:
-        del _consumed[ptr]
+def _purge() -> list:
+    """Drop the dead references from ``_consumed``; returns the consumed guards still alive.
+    Under ``_consumed_lock``: backward passes of other threads add entries meanwhile."""
+    global _purge_at
+    with _consumed_lock:
+        live = [ref for ref in _consumed if ref() is not None]
+        _consumed[:] = live
+        _purge_at = max(_PURGE_MIN, 2 * len(live))
+    return [g for g in (ref() for ref in live) if g is not None]
 
 
 def ran(ctx):
@@ -118,9 +155,15 @@ def ran(ctx):
     guard = getattr(ctx, "guard", None)
     if guard is None or guard.consumed:
         return
-    guard.consumed = True
-    if guard.ptr is not None:
-        _consumed[guard.ptr] = weakref.ref(guard, functools.partial(_forget, guard.ptr))
+    guard.consumed = True  # a later ordinary pass: the guard's hook raises
+    # for paddle.grad's check (before Paddle copies the graph): a plain weak reference, no
+    # callback -- this runs in every backward of every linear; dead ones are purged in bulk
+    ref = weakref.ref(guard)
+    with _consumed_lock:
+        _consumed.append(ref)
+        full = len(_consumed) > _purge_at
+    if full:
+        _purge()
 
 
 class GuardedPyLayer(paddle.autograd.PyLayer):
@@ -133,10 +176,12 @@ class GuardedPyLayer(paddle.autograd.PyLayer):
         guard, _pending.guard = getattr(_pending, "guard", None), None
         if guard is not None:
             # every differentiable output: a later pass may reach the node through any of them
-            for t in _tensor_list(out):
-                node = None if t.stop_gradient else t.grad_fn
-                if node is not None:
-                    guard.ptr = node.node_ptr()
+            for t in (out,) if is_tensor(out) else _tensor_list(out):
+                if not t.stop_gradient:  # (an output that needs a gradient has the node)
+                    if guard.out is None:
+                        guard.out = weakref.ref(t)
+                        if _functional_seen:  # see NodeGuard.ptr
+                            guard.ptr  # noqa: B018 -- asked now, while the output lives
                     t._register_grad_hook(guard)
         return out
 
@@ -147,6 +192,14 @@ def _tensor_list(value):
     if isinstance(value, (list, tuple, set)):
         return [t for t in value if is_tensor(t)]
     return []
+
+
+def _edge(t):
+    """The address of the node a PyLayer's edge for input ``t`` leads to, or None."""
+    if t is None or t.stop_gradient:
+        return None
+    node = t.grad_fn
+    return None if node is None else node.node_ptr()
 
 
 def _node_ptrs(tensors):
@@ -167,7 +220,8 @@ class FunctionalPass:
     stop-gradient for this pass; so is an edge to a ``no_grad_vars`` tensor's node.
     """
 
-    __slots__ = ("_outputs", "_inputs", "_no_grad_vars", "_edges", "_needed", "_no_grad")
+    __slots__ = ("_outputs", "_inputs", "_no_grad_vars", "_edges", "_needed", "_no_grad",
+                 "_pylayers")
 
     def __init__(self, outputs, inputs, no_grad_vars=None):
         self._outputs = _tensor_list(outputs)
@@ -179,6 +233,7 @@ class FunctionalPass:
         if self._edges is not None:
             return
         edges = {}  # node address -> addresses of its next nodes, one per edge (None: no edge)
+        pylayers = set()  # addresses of PyLayer nodes
         todo = [t.grad_fn for t in self._outputs]
         while todo:
             node = todo.pop()
@@ -187,6 +242,8 @@ class FunctionalPass:
             ptr = node.node_ptr()
             if ptr in edges:
                 continue
+            if node.name().startswith("GradNodePyLayer"):
+                pylayers.add(ptr)
             nxt = node.next_functions
             edges[ptr] = tuple(None if n is None else n.node_ptr() for n in nxt)
             todo.extend(nxt)
@@ -204,22 +261,59 @@ class FunctionalPass:
                 todo.extend(parents.get(q, ()))
         self._no_grad = _node_ptrs(self._no_grad_vars)
         self._needed = needed
+        self._pylayers = pylayers
         self._edges = edges
 
-    def check_not_consumed(self):
-        """Raise before Paddle copies a node that an ordinary backward already ran."""
+    def check_not_consumed(self, live):
+        """Raise before Paddle copies a node that an ordinary backward already ran: one of
+        ``live`` (the consumed guards still alive) in this pass's graph.  A guard whose node
+        cannot be found (no output of it is alive any more) counts as in the graph when the
+        graph holds any PyLayer node: the cautious answer (a false alarm needs a retained graph
+        with a run fused linear, and paddle.grad over another graph with one)."""
         self._build()
-        for ptr in self._edges:
-            ref = _consumed.get(ptr)
-            guard = ref() if ref is not None else None
-            if guard is not None:
+        unknown = None
+        for guard in live:
+            ptr = guard.ptr
+            if ptr is None:
+                unknown = unknown or guard
+            elif ptr in self._edges:
                 raise guard.reuse_error()
+        if unknown is not None and self._pylayers:
+            raise unknown.reuse_error()
 
-    def slots(self, guard, n):
+    def _find_by_edges(self, want):
+        """The one PyLayer node of this graph whose edges are ``want``; else the one whose
+        edges after the first are ``want[1:]`` (the parameters' nodes: under recompute the
+        first input, ``x``, is a recomputed tensor whose node is not the graph's); None when
+        neither is unique."""
+        for rest in (False, True):
+            found = [p for p in self._pylayers
+                     if len(self._edges[p]) == len(want)
+                     and (self._edges[p][1:] == tuple(want[1:]) if rest
+                          else self._edges[p] == tuple(want))]
+            if len(found) == 1:
+                return found[0]
+            if found:
+                return None
+        return None
+
+    def slots(self, guard, n, inputs=None):
         """For the node of ``guard`` (``n`` input slots): a tuple, True where Paddle wants
-        a gradient in this pass."""
+        a gradient in this pass.
+
+        The node is found by its address (:attr:`NodeGuard.ptr`, through a living output).
+        When no output lives any more (``paddle.grad(tanh(linear(x)), x)``), ``inputs`` -- the
+        forward's tensor arguments, in order -- name the node by its edges (each input's grad
+        node, None for a stop-gradient one), accepted only when they single out one PyLayer node
+        of this graph (:meth:`_find_by_edges`); else the node cannot be identified: an error,
+        never a guess."""
         self._build()
         nxt = self._edges.get(getattr(guard, "ptr", None))
+        if nxt is None and inputs is not None and len(inputs) == n:
+            found = self._find_by_edges([_edge(t) for t in inputs])
+            if found is not None:
+                nxt = self._edges[found]
+                guard._ptr = found  # known from now on (check_not_consumed asks it)
         if nxt is None or len(nxt) != n:
             raise FusedLinearError(
                 "paddle_mgrad: paddle.grad reached one of our PyLayer nodes that it cannot "
@@ -237,9 +331,12 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     kwargs = {}
     if dump_backward_graph_path is not None:  # Paddle 3.x only
         kwargs["dump_backward_graph_path"] = dump_backward_graph_path
+    global _functional_seen
+    _functional_seen = True
     fpass = FunctionalPass(outputs, inputs, no_grad_vars)
-    if _consumed:
-        fpass.check_not_consumed()
+    live = _purge() if _consumed else ()
+    if live:  # a node an ordinary backward ran is still alive somewhere
+        fpass.check_not_consumed(live)
     return backward_errors.run(
         registry.original("grad"),
         (outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
