@@ -301,11 +301,13 @@ std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
 // db[N] = beta * db + the column sums of dY[M, N], in column tiles over the threads.
 // Acc is the sum's type: fp64 for fp64 inputs (the only fp64 accumulator), fp32 for the
 // others; `finish(n, sum)` writes column n.
+// A small product (`parallel` false) runs on the calling thread without entering an OpenMP
+// region at all: even a one-thread region costs libgomp a team start, measured as much as
+// the whole sum of an 8x64 dY.
 template <typename Acc, typename Finish>
-void bias_columns(const WgradArgs& a, Finish finish) {
+void bias_columns(const WgradArgs& a, bool parallel, Finish finish) {
   const int64_t M = a.M, N = a.N, nt = (N + kNB - 1) / kNB;
-#pragma omp parallel for schedule(static)
-  for (int64_t ni = 0; ni < nt; ++ni) {
+  auto block = [&](int64_t ni) {
     const int64_t n0 = ni * kNB, nl = std::min(N, n0 + kNB) - n0;
     Acc acc[kNB];
     for (int64_t n = 0; n < nl; ++n) acc[n] = 0;
@@ -322,17 +324,23 @@ void bias_columns(const WgradArgs& a, Finish finish) {
         for (int64_t n = 0; n < nl; ++n) acc[n] += load(a.dy, a.in_dtype, m * N + n0 + n);
     }
     for (int64_t n = 0; n < nl; ++n) finish(n0 + n, acc[n]);
+  };
+  if (!parallel) {
+    for (int64_t ni = 0; ni < nt; ++ni) block(ni);
+    return;
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t ni = 0; ni < nt; ++ni) block(ni);
 }
 
-void bias_grad(const WgradArgs& a) {
+void bias_grad(const WgradArgs& a, bool parallel) {
   if (a.in_dtype == DType::kF64) {  // fp64 in, fp64 out (check_args)
     double* db = static_cast<double*>(a.db);
-    bias_columns<double>(a, [&](int64_t n, double sum) {
+    bias_columns<double>(a, parallel, [&](int64_t n, double sum) {
       db[n] = (a.db_beta == 0.f ? 0.0 : a.db_beta * db[n]) + sum;
     });
   } else {
-    bias_columns<float>(a, [&](int64_t n, float sum) {
+    bias_columns<float>(a, parallel, [&](int64_t n, float sum) {
       const float old = a.db_beta == 0.f ? 0.f : a.db_beta * load(a.db, a.db_dtype, n);
       store(a.db, a.db_dtype, n, old + sum);
     });
@@ -419,13 +427,14 @@ std::string wgrad_cpu(const WgradArgs& a) {
   // Environment first: a bad knob (changed after import) fails before anything is written.
   std::string bad = cpu_env_problem(a.in_dtype);
   if (!bad.empty()) return bad;
-  const SerialScope serial(small_product(a));
+  const bool small = small_product(a);
+  const SerialScope serial(small);
   if (a.dw != nullptr && a.K > 0 && a.N > 0) {
     // fp64 accumulators are always fp64 (check_args): only 16-bit ones are rounded.
     std::string err = a.dw_dtype == mp_type(a.in_dtype) ? wgrad_mp(a) : wgrad_rounded(a);
     if (!err.empty()) return err;
   }
-  if (a.db != nullptr && a.N > 0) bias_grad(a);
+  if (a.db != nullptr && a.N > 0) bias_grad(a, !small);
   return "";
 }
 

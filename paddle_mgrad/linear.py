@@ -103,6 +103,16 @@ def _written(p):
 _dtname = ops._dtype_name
 
 
+# ``main_grad`` is a plain instance attribute (MixPrecisionLayer, PaddleNLP set it): read from
+# ``__dict__`` unless a Paddle ever defines it on the class
+_MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
+                          or hasattr(_compat.EagerParamBase, "main_grad"))
+
+
+# what a tensor without ``__dict__`` (Paddle 2.6, not a parameter) holds: nothing; read only
+_NO_ATTRS = types.MappingProxyType({})
+
+
 def check_main_grad(p):
     """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
     master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
@@ -128,26 +138,42 @@ def _check_main_grad_dtype(p, p_name, mg_name, mg):
             f"(the master gradient of a {p_name} parameter)")
 
 
-def check_main_grads(weight, bias):
-    """:func:`check_main_grad` for each of ``weight``/``bias`` that needs a gradient."""
+def check_main_grads(weight, bias, p_name=None):
+    """:func:`check_main_grad` for each of ``weight``/``bias`` that needs a gradient.
+    ``p_name``: the dtype name both parameters have, when the caller knows it (one question
+    to a Paddle dtype fewer per parameter)."""
     for p in (weight, bias):
         if p is not None and not p.stop_gradient:
-            check_main_grad(p)
+            if p_name is None:
+                check_main_grad(p)
+                continue
+            mg = getattr(p, "__dict__", _NO_ATTRS).get("main_grad")
+            if mg is None and _MAIN_GRAD_IN_DICT:
+                continue
+            if mg is None:  # a Paddle that defines main_grad on the class
+                check_main_grad(p)
+                continue
+            _check_main_grad_dtype(p, p_name, _dtname(mg.dtype), mg)
 
 
-def stash_for_backward(ctx, x, weight, bias):
+# what our linears' forward needs installed: backward_errors' wrappers, param_hooks' register_hook
+_STASH_KEYS = backward_errors.ENTRY_KEYS | {"Tensor.register_hook"}
+
+
+def stash_for_backward(ctx, x, weight, bias, p_name=None):
     """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linears).
 
     Checks every parameter that needs a gradient with :func:`check_main_grad` -- a
     non-fp32 ``main_grad`` fails here, in forward, with a :class:`FusedLinearError`, not
     deep inside Paddle's backward engine -- then saves only ``x`` with
     ``save_for_backward`` (recompute may drop it) and keeps ``weight``/``bias`` on ``ctx``
-    as the real objects, out of reach of saved-tensor hooks (module docstring).
+    as the real objects, out of reach of saved-tensor hooks (module docstring).  ``p_name``:
+    the dtype name of ``weight`` and ``bias`` when the caller knows it.
     """
-    check_main_grads(weight, bias)
-    backward_errors.install()  # a FusedLinearError in backward keeps its type; paddle.grad
-    if not registry.is_installed("Tensor.register_hook"):  # fused_linear without enable()
-        registry.ensure("Tensor.register_hook")
+    check_main_grads(weight, bias, p_name)
+    if not registry.all_installed(_STASH_KEYS):  # one set operation once all are in
+        backward_errors.install()  # a FusedLinearError in backward keeps its type; paddle.grad
+        registry.ensure("Tensor.register_hook")  # fused_linear without enable()
     autograd_passes.stash_guard(ctx)
     ctx.save_for_backward(x)
     ctx.weight = weight
@@ -221,61 +247,70 @@ def plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
     return dw, db
 
 
-# ``main_grad`` is a plain instance attribute (MixPrecisionLayer, PaddleNLP set it): read from
-# ``__dict__`` unless a Paddle ever defines it on the class
-_MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
-                          or hasattr(_compat.EagerParamBase, "main_grad"))
+def _backward_fast(ctx, x, dy, weight, bias):
+    """The ordinary backward of :class:`FusedLinearWithGradAdd` in its common case, in few steps.
 
+    The forward found (``ctx.facts``, from :func:`_route`): ``x``, ``weight`` (``[K, N]``) and
+    ``bias`` (or None) plain dense CPU tensors of one dtype, K, N > 0.  Here: grad mode off (no
+    ``create_graph``), ``dy`` of that dtype (no autocast), weight and bias needing a gradient,
+    each with a ``main_grad`` attribute and no user gradient hook, ``main_grad`` contiguous
+    or None, ``x``/``dy`` contiguous.  Then the op runs straight into ``main_grad`` (or
+    allocates it: first micro-step) and checks the rest itself before writing anything: the
+    accumulator dtypes (``main_grad`` must be the master-gradient dtype), shapes and places.
 
-# what a tensor without ``__dict__`` (Paddle 2.6, not a parameter) holds: nothing; read only
-_NO_ATTRS = types.MappingProxyType({})
-
-
-def _main_grads_fast(x, dy, weight, bias, names):
-    """The common case of :func:`_fused_grads` in fewer steps: x and dy of one dtype, ``weight``
-    [K, N] and ``bias`` (or None) both needing a gradient, both with a ``main_grad`` attribute
-    and no user gradient hook.  The same checks (:func:`_check_main_grad_dtype`, then the op's
-    own), the same writes; returns None for any other case (the general code takes it)."""
-    x_name, dy_name, w_name = names
-    if x_name != dy_name or weight.stop_gradient or not _MAIN_GRAD_IN_DICT:
+    Returns the backward's result, or None for any other case, and when the op refuses the
+    call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
+    every check in Python and raises the usual error."""
+    x_name, _ = ctx.facts
+    if tracer()._has_grad or weight.stop_gradient or not _MAIN_GRAD_IN_DICT:
+        return None
+    if _dtname(dy.dtype) != x_name:
         return None
     # Paddle 2.6's plain (non-parameter) tensors have no __dict__, hence no main_grad either
     wd = getattr(weight, "__dict__", _NO_ATTRS)
-    if "main_grad" not in wd or param_hooks.has_user_hooks(weight):
+    hooked = param_hooks.hooked  # empty unless some tensor got a user hook: one test then
+    if "main_grad" not in wd or (hooked and param_hooks.has_user_hooks(weight)):
+        return None
+    w_acc = wd["main_grad"]
+    if w_acc is not None and not w_acc.is_contiguous():
         return None
     if bias is not None:
         bd = getattr(bias, "__dict__", _NO_ATTRS)
-        if bias.stop_gradient or "main_grad" not in bd or param_hooks.has_user_hooks(bias):
+        if (bias.stop_gradient or "main_grad" not in bd
+                or (hooked and param_hooks.has_user_hooks(bias))):
             return None
         b_acc = bd["main_grad"]
+        if b_acc is not None and not b_acc.is_contiguous():
+            return None
     else:
         b_acc = None
-    w_acc = wd["main_grad"]
-    mp_name = "float64" if x_name == "float64" else "float32"
-    if w_acc is not None:
-        _check_main_grad_dtype(weight, w_name, _dtname(w_acc.dtype), w_acc)
-    if b_acc is not None:
-        check_main_grad(bias)
-    dw, db = ops.accumulate_checked(x, dy, w_acc, b_acc, True, bias is not None, x_name)
+    if not (x.is_contiguous() and dy.is_contiguous()):
+        return None
+    run = ops.cpu_runner(x_name)
+    if run is None:
+        return None
+    try:
+        dw, db = run("pmg_fused_wgrad_add", x, dy, w_acc, b_acc, True, bias is not None)
+    except Exception:  # noqa: BLE001 -- refused before writing: the general path raises
+        return None
+    dx = None
+    if ctx.x_needs_grad:
+        dx = _C_ops.matmul(dy, weight, False, True)
     fused = stats.fused_params
     fused.add(weight.name)
     if w_acc is None:
         weight.main_grad = dw  # first micro-step: mp dtype, on the real parameter
-    if bias is not None:
-        fused.add(bias.name)
-        if b_acc is None:
-            bias.main_grad = db if _dtname(db.dtype) == mp_name else db.astype(mp_name)
-        stats.bump(stats.linear, "into_main_grad", 2)
-    else:
-        stats.bump(stats.linear, "into_main_grad", 1)
-    return None, None
+    if bias is None:
+        stats.bump2(stats.linear, "backward", 1, "into_main_grad", 1)
+        return dx, None
+    fused.add(bias.name)
+    if b_acc is None:
+        bias.main_grad = db
+    stats.bump2(stats.linear, "backward", 1, "into_main_grad", 2)
+    return dx, None, None
 
 
 def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
-    if names is not None and not transpose_weight:
-        done = _main_grads_fast(x, dy, weight, bias, names)
-        if done is not None:
-            return done
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
         return None, None
@@ -352,7 +387,8 @@ def functional_grads(ctx, x, dy, fpass, dx_fn):
     gradients exactly at the slots Paddle wants, ``.grad``/``main_grad`` untouched.
     ``dx_fn()`` computes the input gradient (the overlap linears add their collective)."""
     weight, bias = ctx.weight, ctx.bias  # the forward's tensors: the graph's own edges
-    need = fpass.slots(ctx.guard, 2 if bias is None else 3)
+    need = fpass.slots(ctx.guard, 2 if bias is None else 3,
+                       (x, weight) if bias is None else (x, weight, bias))
     stats.bump(stats.linear, "functional_backward")
     dx = dx_fn() if need[0] else None
     dw, db = plain_param_grads(x, dy, weight, bias, getattr(ctx, "transpose_weight", False),
@@ -368,24 +404,35 @@ def _paddle_linear(x, weight, bias):
     through ``paddle.get_flags``, ~30 us, whose value matters only with CUDA): call the op
     itself.  A CUDA build of 3.x picks its kernel by that flag, so there it is Paddle's
     function, flags and all."""
-    if _compat.IS_PADDLE_2 or not paddle.is_compiled_with_cuda():
+    if _LINEAR_IS_C_OP:
         return _C_ops.linear(x, weight, bias)
     return original("linear")(x, weight, bias)
 
 
+# what :func:`_paddle_linear` calls, decided once: neither Paddle's version nor its build changes
+# within a process
+_LINEAR_IS_C_OP = _compat.IS_PADDLE_2 or not paddle.is_compiled_with_cuda()
+
+
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
-    """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc)."""
+    """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc).
+
+    ``facts``: what :func:`_route` found out about the inputs (``(dtype name, on the CPU)``),
+    kept on ``ctx`` so that the backward does not ask Paddle again; None when the caller did
+    not route (the general backward then asks)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias=None, transpose_weight=False):
+    def forward(ctx, x, weight, bias=None, transpose_weight=False, facts=None):
         if transpose_weight:
             y = paddle.matmul(x, weight, transpose_y=True)
             if bias is not None:
                 y = y + bias
         else:
             y = _paddle_linear(x, weight, bias)
-        stash_for_backward(ctx, x, weight, bias)
+        stash_for_backward(ctx, x, weight, bias, None if facts is None else facts[0])
         ctx.transpose_weight = transpose_weight
+        # the common case's backward (_backward_fast): a [K, N] weight on the CPU
+        ctx.facts = facts if facts is not None and facts[1] and not transpose_weight else None
         stats.bump(stats.linear, "forward")
         return y
 
@@ -405,6 +452,11 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         weight = getattr(weight, "__dict__", _NO_ATTRS).get(ORIGIN, weight)
         if bias is not None:
             bias = getattr(bias, "__dict__", _NO_ATTRS).get(ORIGIN, bias)
+        if ctx.facts is not None:
+            done = _backward_fast(ctx, x, dy, weight, bias)
+            if done is not None:
+                autograd_passes.ran(ctx)
+                return done
         stats.bump(stats.linear, "backward")
         names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
         dx = None
@@ -421,23 +473,15 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         return dx, dw, db
 
 
-def _validate(x, weight, bias, transpose_weight=False):
-    """Raise for inputs Paddle's linear rejects too (as a ValueError, like Paddle's)."""
-    k = weight.shape[1] if transpose_weight else weight.shape[0]
-    if x.shape[-1] != k:
-        raise FusedLinearError(
-            f"fused_linear: x {list(x.shape)} does not match weight {list(weight.shape)} "
-            f"(x's last dim must be {k})")
-
-
 def _plain_dense(t) -> bool:
-    """A plain dense eager Tensor (not a numpy array, tuple, SelectedRows or dist tensor)."""
-    return (is_tensor(t) and (not hasattr(t, "is_dense") or t.is_dense())
-            and not (hasattr(t, "is_dist") and t.is_dist()))
+    """A plain dense eager Tensor (not a numpy array, tuple, SelectedRows or dist tensor:
+    ``is_dense()`` is False for the last two on Paddle 2.6 and 3.x alike)."""
+    return is_tensor(t) and t.is_dense()
 
 
-def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
-    """Whether the call goes to Paddle's own function unchanged.
+def _route(x, weight, bias, transpose_weight=False):
+    """None when the call goes to Paddle's own function unchanged; else the facts our
+    PyLayer keeps for its backward: ``(dtype name, on the CPU)``.
 
     The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
     grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
@@ -447,44 +491,56 @@ def _use_paddle(x, weight, bias, transpose_weight=False) -> bool:
     else -- Paddle 2.6's ``linear((x,), w)`` (``recompute_sequential`` does that),
     numpy inputs, 1-D ``x``, broadcast biases, dtype mixes --
     is Paddle's, with Paddle's result or Paddle's error.  A mismatched ``x``/``weight``
-    inner dimension stays ours: :func:`_validate` raises a ValueError naming shapes.
+    inner dimension stays ours: it raises a ValueError (:class:`FusedLinearError`) naming
+    the shapes.  "On the CPU" is true only with K, N > 0 (the common case of
+    :func:`_backward_fast`; a zero-size product takes the general backward).
     """
-    # cheapest first; each dtype is asked once (a dtype comparison is a pybind call)
+    # cheapest first; each dtype, shape and place is asked once (each is a call into Paddle)
     if not paddle.in_dynamic_mode() or not tracer()._has_grad:
-        return True
+        return None
     for t in (x, weight) if bias is None else (x, weight, bias):
         if not _plain_dense(t):
-            return True
+            return None
     if not (_wants_grad(weight) or _wants_grad(bias)):
-        return True
-    if len(weight.shape) != 2 or len(x.shape) < 2:
-        return True
+        return None
+    w_shape, x_shape = weight.shape, x.shape
+    if len(w_shape) != 2 or len(x_shape) < 2:
+        return None
     x_name = _dtname(x.dtype)
     if x_name not in ops._SUPPORTED or _dtname(weight.dtype) != x_name:
-        return True
-    if bias is not None:
-        n = weight.shape[0] if transpose_weight else weight.shape[1]
-        if bias.shape != [n] or _dtname(bias.dtype) != x_name:
-            return True
-    if not x.place._equals(weight.place):
-        return True
-    return False
+        return None
+    k, n = (w_shape[1], w_shape[0]) if transpose_weight else w_shape
+    if bias is not None and (bias.shape != [n] or _dtname(bias.dtype) != x_name):
+        return None
+    # one string per tensor (each ``.place`` read builds a Place object: several times dearer)
+    place = x._place_str
+    if place != weight._place_str:
+        return None
+    if x_shape[-1] != k:
+        raise FusedLinearError(
+            f"fused_linear: x {list(x_shape)} does not match weight {list(w_shape)} "
+            f"(x's last dim must be {k})")
+    return x_name, place == _CPU_PLACE and k > 0 and n > 0
+
+
+# ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
+_CPU_PLACE = str(paddle.CPUPlace())
 
 
 def fused_linear(x, weight, bias=None, name=None):
     """Drop-in for ``paddle.nn.functional.linear`` with fused in-place weight gradients."""
-    if _use_paddle(x, weight, bias):
+    facts = _route(x, weight, bias)
+    if facts is None:
         return original("linear")(x, weight, bias, name)
-    _validate(x, weight, bias)
-    return FusedLinearWithGradAdd.apply(x, weight, bias)
+    return FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
 
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):
     """Drop-in for ``paddle.incubate.nn.functional.fused_linear``."""
-    if _use_paddle(x, weight, bias, transpose_weight):
+    facts = _route(x, weight, bias, transpose_weight)
+    if facts is None:
         return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)
-    _validate(x, weight, bias, transpose_weight)
-    return FusedLinearWithGradAdd.apply(x, weight, bias, transpose_weight)
+    return FusedLinearWithGradAdd.apply(x, weight, bias, transpose_weight, facts)
 
 
 def _param_copy_with_origin(param):

@@ -301,5 +301,11 @@ def is_installed(key: str) -> bool:
     return key in _installed
 
 
+def all_installed(keys) -> bool:
+    """Whether every key of the set ``keys`` is installed (one set operation: hot paths ask it
+    per call before taking the lock of :func:`ensure`)."""
+    return _installed.keys() >= keys
+
+
 def installed_keys() -> list:
     return [r.key for r in REPLACEMENTS if r.key in _installed]

@@ -39,6 +39,13 @@ def bump(counters: dict, key: str, n: int = 1):
         counters[key] += n
 
 
+def bump2(counters: dict, key: str, n: int, key2: str, n2: int):
+    """Two :func:`bump` s under one lock (a hot path's pair of counters)."""
+    with _lock:
+        counters[key] += n
+        counters[key2] += n2
+
+
 def reset():
     with _lock:
         for counters in (recompute, linear, paddle_c_ops):

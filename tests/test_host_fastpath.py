@@ -274,3 +274,110 @@ def test_parameter_dtype_cast_between_calls():
         p.main_grad = None
     _fused_step(lin, x)
     assert lin.weight.main_grad.dtype == paddle.float32
+
+
+# ------------------------------------------- the linear's common-case backward (_backward_fast)
+def _spy_backward_fast(monkeypatch):
+    """Record, per backward of our linear, whether its common-case path did the work."""
+    import paddle_mgrad.linear as linear_mod
+
+    taken = []
+    real = linear_mod._backward_fast
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(linear_mod, "_backward_fast", spy)
+    return taken
+
+
+def _layer_pair(bias, mixprec, rs):
+    paddle.seed(int(rs.randint(1 << 30)))
+    ours = paddle.nn.Linear(5, 3, bias_attr=None if bias else False)
+    ref = paddle.nn.Linear(5, 3, bias_attr=None if bias else False)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        b.set_value(a.numpy())
+    if mixprec:
+        MixPrecisionLayer(ours, dtype="bfloat16")
+        MixPrecisionLayer(ref, dtype="bfloat16")
+    return ours, ref
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(bias=st.booleans(), mixprec=st.booleans(), w_first=st.booleans(), b_first=st.booleans(),
+       strided=st.booleans(), x_grad=st.booleans(), w_frozen=st.booleans(),
+       b_frozen=st.booleans(), hook=st.booleans(), steps=st.integers(1, 2),
+       seed=st.integers(0, 2**31 - 1))
+def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
+        monkeypatch, bias, mixprec, w_first, b_first, strided, x_grad, w_frozen, b_frozen, hook,
+        steps, seed):
+    """Our linear's backward does its work on the short path (``linear._backward_fast``) exactly
+    in the common case -- main_grad on every parameter that needs a gradient, contiguous or
+    None, no user gradient hook -- and takes the general path in every other one; either way
+    main_grad / .grad / x.grad equal plain Paddle's (same layer, MixPrecisionLayer or not,
+    first micro-step or a later one)."""
+    if ops.load() is None:
+        pytest.skip("C++ op not built")
+    rs = np.random.RandomState(seed)
+    ours, ref = _layer_pair(bias, mixprec, rs)
+    pairs = list(zip(ours.parameters(), ref.parameters()))
+    if w_frozen and (b_frozen or not bias):
+        w_frozen = False  # something must need a gradient
+    for (p, q), frozen in zip(pairs, (w_frozen, b_frozen)):
+        p.stop_gradient = q.stop_gradient = frozen
+    if mixprec:
+        for (p, q), first in zip(pairs, (w_first, b_first)):
+            if first:
+                continue
+            v = rs.standard_normal(p.shape).astype("float32")
+            if strided and p is ours.weight:  # a zeroed view into a flat gradient buffer
+                flats = [paddle.zeros([5 * 6]) for _ in range(2)]
+                p.main_grad, q.main_grad = (f.reshape([5, 6])[:, ::2] for f in flats)
+            else:
+                p.main_grad, q.main_grad = paddle.to_tensor(v), paddle.to_tensor(v)
+    hook = hook and not w_frozen  # Paddle refuses a hook on a stop-gradient tensor
+    if hook:
+        # (under MixPrecisionLayer, Paddle's own main_grad hook runs first and hands on None;
+        # on Paddle 2.6 an uninitialized tensor)
+        def double(g):
+            return None if g is None or not g._is_initialized() else g * 2
+
+        ref.weight.register_hook(double)
+        paddle_mgrad.enable(recompute=False, fused_linear=True)  # counts hooks from here on
+        try:
+            ours.weight.register_hook(double)
+        finally:
+            paddle_mgrad.disable()
+    taken = _spy_backward_fast(monkeypatch)
+    xs_ours, xs_ref = [], []
+    for _ in range(steps):
+        data = rs.standard_normal([2, 4, 5]).astype("float32")
+        for layer, fused, keep in ((ref, False, xs_ref), (ours, True, xs_ours)):
+            x = paddle.to_tensor(data)
+            x.stop_gradient = not x_grad
+            if fused:
+                paddle_mgrad.enable(recompute=False, fused_linear=True)
+            try:
+                (layer(x) ** 2).sum().backward()
+            finally:
+                paddle_mgrad.disable()
+            keep.append(x)
+    needy = [p for p in ours.parameters() if not p.stop_gradient]
+    strided_mg = any(getattr(p, "main_grad", None) is not None
+                     and not p.main_grad.is_contiguous() for p in needy)
+    want_fast = (mixprec and not hook and len(needy) == len(list(ours.parameters()))
+                 and not strided_mg)
+    assert taken == [want_fast] * steps
+    for p, q in pairs:
+        for attr in ("main_grad", "grad"):
+            a, b = getattr(p, attr, None), getattr(q, attr, None)
+            assert (a is None) == (b is None), (p.name, attr)
+            if a is not None:
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(xs_ours, xs_ref):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-5)

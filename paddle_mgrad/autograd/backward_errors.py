@@ -87,9 +87,11 @@ def wrap(orig):
 
 
 _KEYS = ("Tensor.backward", "autograd.backward", "grad")
+#: the registry entries of the wrappers (what :func:`install` installs)
+ENTRY_KEYS = frozenset(_KEYS)
 
 
 def install():
     """Install the wrappers (first recompute call or fused-linear forward; idempotent)."""
-    if not all(registry.is_installed(k) for k in _KEYS):  # skip the lock once installed
+    if not registry.all_installed(ENTRY_KEYS):  # skip the lock once installed
         registry.ensure(*_KEYS)

@@ -28,6 +28,8 @@ __all__ = ["has_user_hooks", "wrap_register_hook"]
 _lock = threading.Lock()
 # id(tensor) -> [weakref to the tensor, number of live user hooks]
 _counts: dict = {}
+#: the same dict, read-only for hot paths: empty means no tensor has a user hook (nothing to ask)
+hooked = _counts
 
 
 def _forget(key, ref):

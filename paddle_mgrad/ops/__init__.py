@@ -348,6 +348,33 @@ def accumulate_checked(x, dout, dweight, dbias, multi_precision, has_bias, x_nam
     return fused_linear_param_grad_add(x, dout, dweight, dbias, multi_precision, has_bias)
 
 
+def cpu_runner(x_name):
+    """The raw runner of our C++ op (``run("pmg_fused_wgrad_add", x, dout, dweight, dbias,
+    multi_precision, has_bias)``) for a CPU call whose inputs are ``x_name`` tensors, or None
+    when the fast path must not run: our module not loaded, a test's place, tier or GPU seam
+    in place (the faked devices live there), or an environment knob of that dtype invalid (the
+    checked path raises its EnvError after the input checks).
+
+    The caller vouches for the rest of the common case (:func:`_fast_cpu_call`): plain dense
+    CPU tensors in dynamic mode, contiguous accumulators, K, N > 0; the op checks the rest
+    itself before it writes anything, and a caller whose call it refuses takes the checked
+    path, which raises the usual error."""
+    module = _state["module"]
+    if (module is None or _inputs.place is not _PLACE_SEAM or _tier_for is not _TIER_SEAM
+            or _is_gpu is not _GPU_SEAM):
+        return None
+    knobs = _CPU_KNOBS.get(x_name)
+    if knobs:
+        try:
+            for name in knobs:
+                env_get(name)
+        except Exception:  # noqa: BLE001 -- the slow path raises it after the input checks
+            return None
+    if _RAW["for"] is not module:
+        _RAW.update(run=_raw_runner(), **{"for": module})
+    return _RAW["run"]
+
+
 def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=None):
     """The common call -- CPU tensors, our C++ op loaded, contiguous accumulators, K, N > 0 --
     without the Python-side checks, which the op makes itself before it writes anything:
@@ -361,9 +388,6 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
     call is not this common case (the caller then checks in Python and dispatches as before).
     ``dbias`` is None already when ``has_bias`` is false.  Also None while a test replaces
     the place seam (``_inputs.place``) or the tier choice: the faked devices live there."""
-    module = _state["module"]
-    if module is None or _inputs.place is not _PLACE_SEAM or _tier_for is not _TIER_SEAM:
-        return None
     if not (isinstance(x, paddle.Tensor) and isinstance(dout, paddle.Tensor)):
         return None
     if dweight is not None and (not isinstance(dweight, paddle.Tensor) or _strided(dweight)):
@@ -373,21 +397,12 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
     xs, ys = x.shape, dout.shape
     if len(xs) < 2 or not xs[-1] or not ys or not ys[-1] or not paddle.in_dynamic_mode():
         return None  # K = 0 / N = 0: the reference (see _dispatch); bad ranks: checked below
-    # _tier_for's answer for these tensors ("cpp" for a CPU x with our module loaded), asking
-    # each place question once; GPU tensors take the checked path (their tier, see _tier_for)
-    if _is_gpu(x) or not _is_cpu(x):
-        return None
-    knobs = _CPU_KNOBS.get(x_name or _dtype_name(x.dtype))
-    if knobs:
-        try:
-            for name in knobs:
-                env_get(name)
-        except Exception:  # noqa: BLE001 -- the slow path raises it after the input checks
-            return None
-    if _RAW["for"] is not module:
-        _RAW.update(run=_raw_runner(), **{"for": module})
-    run = _RAW["run"]
-    if run is None:
+    # _tier_for's answer for these tensors ("cpp" for a CPU x with our module loaded) from one
+    # place object (each ``.place`` read builds a new one); GPU tensors and other places take
+    # the checked path (their tier, see _tier_for).  cpu_runner steps aside while a test
+    # fakes the places (the _is_gpu seam).
+    run = cpu_runner(x_name or _dtype_name(x.dtype))
+    if run is None or not x.place.is_cpu_place():
         return None
     if not x.is_contiguous():
         x = _contiguous(x)
@@ -438,3 +453,4 @@ def _dispatch(x, dout, dweight, dbias, multi_precision, has_bias):
 # the seams as shipped: the fast path steps aside while a test replaces one of them
 _PLACE_SEAM = _inputs.place
 _TIER_SEAM = _tier_for
+_GPU_SEAM = _is_gpu

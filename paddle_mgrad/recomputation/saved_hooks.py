@@ -320,7 +320,12 @@ def wrap_save_for_backward(orig):
     """Registry factory: ``PyLayerContext.save_for_backward`` accepting any objects."""
 
     def save_for_backward(self, *objects):
-        if all(is_tensor(o) for o in objects):
+        only_tensors = True
+        for o in objects:  # (a loop, not all(<generator>): this runs in every linear's forward)
+            if not is_tensor(o):
+                only_tensors = False
+                break
+        if only_tensors:
             tensors = objects
             if hasattr(self, _LAYOUT):
                 delattr(self, _LAYOUT)
