@@ -51,15 +51,21 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def test_registry_stays_bounded_and_a_live_consumed_node_survives_every_purge():
+def _child(code, *args):
+    """Run ``code`` in a fresh interpreter (paddle_mgrad from this checkout, PADDLE_MGRAD
+    unset); it must not end by a signal and prints one ``RESULT <json>`` line: returned."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("PADDLE_MGRAD", None)
-    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=ROOT)
     assert r.returncode >= 0, (f"killed by signal {-r.returncode}", r.stderr[-3000:])
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_registry_stays_bounded_and_a_live_consumed_node_survives_every_purge():
+    out = _child(CHILD)
     assert out["max"] <= 5, out  # purged at 4 entries: the retained node and the newest
     assert out["live"] == 1, out  # the retained graph's node, nothing else
     assert out["grad"] == "caught" and out["backward"] == "caught", out
@@ -104,13 +110,6 @@ def test_first_paddle_grad_finds_nodes_whose_outputs_died(mode):
     ``NodeGuard.ptr``) through fused linears whose outputs are gone: each node is found by its
     edges -- under recompute, where the saved input is a recomputed tensor, by its
     parameters' -- and the gradients equal plain Paddle's."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    env.pop("PADDLE_MGRAD", None)
-    r = subprocess.run([sys.executable, "-c", FIRST_GRAD, mode], capture_output=True, text=True,
-                       env=env, timeout=300, cwd=ROOT)
-    assert r.returncode >= 0, (f"killed by signal {-r.returncode}", r.stderr[-3000:])
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = _child(FIRST_GRAD, mode)
     assert out["seen_before"] is False  # the case under test: no address recorded in forward
     assert out["ok"], out
