@@ -113,25 +113,20 @@ _MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
 _NO_ATTRS = types.MappingProxyType({})
 
 
-def check_main_grad(p):
+def check_main_grad(p, p_name=None):
     """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
     master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
     parameter: the op's accumulator rule (``ops.acc_dtypes``), the dtype the first backward
-    allocates."""
+    allocates.  ``p_name``: ``p``'s dtype name, when the caller knows it."""
     mg = getattr(p, "main_grad", None)
-    if mg is None:
-        return
-    want = "float64" if _dtname(p.dtype) == "float64" else "float32"  # ops.mp_dtype
-    if _dtname(mg.dtype) != want:
-        raise FusedLinearError(
-            f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
-            f"(the master gradient of a {_dtname(p.dtype)} parameter)")
+    if mg is not None:
+        _check_main_grad_dtype(p, p_name or _dtname(p.dtype), _dtname(mg.dtype), mg)
 
 
 def _check_main_grad_dtype(p, p_name, mg_name, mg):
     """:func:`check_main_grad` for a ``main_grad`` ``mg`` whose dtype names the caller has
-    (``p_name``: the parameter's, ``mg_name``: ``mg``'s): the same rule, the same error."""
-    want = "float64" if p_name == "float64" else "float32"
+    (``p_name``: the parameter's, ``mg_name``: ``mg``'s): the rule and its error."""
+    want = "float64" if p_name == "float64" else "float32"  # ops.mp_dtype
     if mg_name != want:
         raise FusedLinearError(
             f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
@@ -144,16 +139,7 @@ def check_main_grads(weight, bias, p_name=None):
     to a Paddle dtype fewer per parameter)."""
     for p in (weight, bias):
         if p is not None and not p.stop_gradient:
-            if p_name is None:
-                check_main_grad(p)
-                continue
-            mg = getattr(p, "__dict__", _NO_ATTRS).get("main_grad")
-            if mg is None and _MAIN_GRAD_IN_DICT:
-                continue
-            if mg is None:  # a Paddle that defines main_grad on the class
-                check_main_grad(p)
-                continue
-            _check_main_grad_dtype(p, p_name, _dtname(mg.dtype), mg)
+            check_main_grad(p, p_name)
 
 
 # what our linears' forward needs installed: backward_errors' wrappers, param_hooks' register_hook

@@ -108,9 +108,8 @@ class NodeGuard:
         otherwise the pass finds it here, or by the node's edges (:meth:`FunctionalPass.slots`)."""
         if self._ptr is None and self.out is not None:
             t = self.out()
-            node = t.grad_fn if t is not None else None
-            if node is not None:
-                self._ptr = node.node_ptr()
+            if t is not None:
+                self._ptr = _node_ptr(t)
         return self._ptr
 
     def reuse_error(self):
@@ -194,21 +193,19 @@ def _tensor_list(value):
     return []
 
 
-def _edge(t):
-    """The address of the node a PyLayer's edge for input ``t`` leads to, or None."""
-    if t is None or t.stop_gradient:
-        return None
+def _node_ptr(t):
+    """The address of ``t``'s grad node, or None (``Tensor.grad_fn``: see NodeGuard.ptr)."""
     node = t.grad_fn
     return None if node is None else node.node_ptr()
 
 
+def _edge(t):
+    """The address of the node a PyLayer's edge for input ``t`` leads to, or None."""
+    return None if t is None or t.stop_gradient else _node_ptr(t)
+
+
 def _node_ptrs(tensors):
-    out = set()
-    for t in tensors:
-        node = t.grad_fn
-        if node is not None:
-            out.add(node.node_ptr())
-    return out
+    return {p for p in map(_node_ptr, tensors) if p is not None}
 
 
 class FunctionalPass:
@@ -286,16 +283,12 @@ class FunctionalPass:
         edges after the first are ``want[1:]`` (the parameters' nodes: under recompute the
         first input, ``x``, is a recomputed tensor whose node is not the graph's); None when
         neither is unique."""
-        for rest in (False, True):
+        want = tuple(want)
+        found = [p for p in self._pylayers if self._edges[p] == want]
+        if not found:
             found = [p for p in self._pylayers
-                     if len(self._edges[p]) == len(want)
-                     and (self._edges[p][1:] == tuple(want[1:]) if rest
-                          else self._edges[p] == tuple(want))]
-            if len(found) == 1:
-                return found[0]
-            if found:
-                return None
-        return None
+                     if len(self._edges[p]) == len(want) and self._edges[p][1:] == want[1:]]
+        return found[0] if len(found) == 1 else None
 
     def slots(self, guard, n, inputs=None):
         """For the node of ``guard`` (``n`` input slots): a tuple, True where Paddle wants

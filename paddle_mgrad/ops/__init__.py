@@ -387,7 +387,8 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
     Returns ``(dweight, dbias)`` as :func:`fused_linear_param_grad_add` does, or None when the
     call is not this common case (the caller then checks in Python and dispatches as before).
     ``dbias`` is None already when ``has_bias`` is false.  Also None while a test replaces
-    the place seam (``_inputs.place``) or the tier choice: the faked devices live there."""
+    the place seam (``_inputs.place``), the tier choice or ``_is_gpu``: the faked devices
+    live there (:func:`cpu_runner`)."""
     if not (isinstance(x, paddle.Tensor) and isinstance(dout, paddle.Tensor)):
         return None
     if dweight is not None and (not isinstance(dweight, paddle.Tensor) or _strided(dweight)):
