@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 
+_PARALLEL_SETUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_parallel_setup.py")
+
 
 def compile_into(build_dir, name, config, src, toolkit=None, verbose=False):
     """Compile the op module ``name`` into ``build_dir``: Paddle's setup script
     (``_write_setup_file``, the same one ``cpp_extension.load`` writes) run by
-    ``python setup.py build`` WITHOUT a shell (Paddle's ``load`` runs ``cd <dir> && ...``
-    unquoted, which breaks on a space).
+    ``python _parallel_setup.py setup.py build`` (sources compiled concurrently) WITHOUT a shell
+    (Paddle's ``load`` runs ``cd <dir> && ...`` unquoted, which breaks on a space).
 
     ``config`` is ``(sources, cxx flags, ld flags, nvcc flags)`` with sources relative to the
     source directory ``src``; ``toolkit`` the CUDA toolkit for a CUDA build (None without).
@@ -46,7 +48,8 @@ def compile_into(build_dir, name, config, src, toolkit=None, verbose=False):
     eu._write_setup_file(name, [os.path.join(src, s) for s in sources], setup_file,
                          os.path.join(build_dir, name), None, None, cflags + [f"-I{src}"],
                          (nvcc + [f"-I{src}"]) if nvcc else [], ldflags, verbose)
-    cmd = [sys.executable, setup_file, "build"]
+    # through _parallel_setup.py: the sources compile concurrently on Paddle 2.6 as on 3.x
+    cmd = [sys.executable, _PARALLEL_SETUP, setup_file, "build"]
     if verbose:
         r = subprocess.run(cmd, cwd=build_dir, env=env)
         out = ""

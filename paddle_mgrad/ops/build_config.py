@@ -52,7 +52,11 @@ CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) +
 HEADERS = ["wgrad_core.h", "wgrad_cpu_env.h", "wgrad_cpu_dtype.h", "wgrad_dgemm.h", "wgrad_cuda.h",
            "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h"]
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+# -g0: no debug information.  Python's sysconfig puts -g into every extension's compile line; for
+# this op it was a third of the compile time (Paddle's headers are large) and most of the library's
+# size, and nobody steps through a JIT-built op in a debugger (a developer who wants to adds -g to
+# CFLAGS: the flags are part of the cache key, so that is a separate build).  Last, so that it wins.
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-g0"]
 LD_FLAGS = ["-fopenmp"]
 # Code targets: sm_80 (A100) and sm_90 (H100/H200) SASS, compute_90 PTX for anything newer;
 # cuda_targets() adds SASS for the GPUs of the building machine that these do not cover.
