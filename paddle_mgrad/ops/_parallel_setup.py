@@ -22,9 +22,9 @@ import os
 import runpy
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from distutils import ccompiler
 
 import setuptools  # noqa: F401  (first: its distutils, the one Paddle's setup uses)
-from distutils import ccompiler
 
 CUDA_SUFFIXES = (".cu", ".cuh")
 

@@ -10,7 +10,7 @@ import pytest
 from paddle_mgrad.ops import _parallel_setup as ps
 from paddle_mgrad.ops._compiler import _PARALLEL_SETUP
 
-from distutils import ccompiler  # after paddle_mgrad (setuptools' distutils, as in the script)
+ccompiler = ps.ccompiler  # setuptools' distutils, imported the way the script does
 
 
 class FakeCompiler(ccompiler.CCompiler):
