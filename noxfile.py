@@ -67,8 +67,16 @@ ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
        "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
 
 
+def _installing_only(session):
+    """Whether this is ``nox --install-only`` (the venv is built, ``session.run`` is skipped):
+    what ``.ci/run`` does for the next session while the current one's tests use the CPUs."""
+    config = getattr(getattr(session, "_runner", None), "global_config", None)
+    return bool(getattr(config, "install_only", False))
+
+
 def _frees_venv(fn):
-    """A session that deletes its virtualenv after it succeeds when PADDLE_MGRAD_NOX_FREE_VENVS=1.
+    """A session that deletes its virtualenv after it succeeds when PADDLE_MGRAD_NOX_FREE_VENVS=1
+    (not under ``--install-only``: that venv is built to be used next).
 
     Why: CI machines share a disk whose free space varies (a run died with "No space left on
     device" after ~3 GB); the largest venv (paddlepaddle-gpu + cuBLAS) is ~3.7 GB, all of them
@@ -76,7 +84,7 @@ def _frees_venv(fn):
     @functools.wraps(fn)
     def run(session, *args, **kwargs):
         fn(session, *args, **kwargs)
-        if os.environ.get("PADDLE_MGRAD_NOX_FREE_VENVS") == "1":
+        if os.environ.get("PADDLE_MGRAD_NOX_FREE_VENVS") == "1" and not _installing_only(session):
             location = getattr(session.virtualenv, "location", None)
             if location and os.path.isdir(location):
                 session.log(f"freeing {location}")
@@ -208,6 +216,8 @@ def gpu_wheel(session):
     root = os.path.dirname(os.path.abspath(__file__))
     session.install(*GPU_PADDLE, *TEST_DEPS)
     session.install("--no-build-isolation", "--force-reinstall", "--no-deps", ".")
+    if _installing_only(session):  # cuBLAS comes later, in the run itself, after a check without it
+        return
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", "nvidia-cublas")
     caches = {m: os.path.join(root, ".nox", f"gpu-wheel-cache-{m}") for m in ("no-cublas", "cuda")}
     for cache in caches.values():  # first use must build: fresh JIT caches every run
