@@ -202,8 +202,18 @@ UPDATED = {
         ("(64 MiB per thread that calls the op with bf16/fp16 inputs, more when 256 rows need more;",
          "at least 256 rows per chunk"),
     "It takes 25–27 minutes on 2 cores (measured, no pip cache).":
-        ("It takes 36 minutes on 2 cores (measured, no pip cache; table below).",
-         "re-timed on a clean clone after the issue 15-20 tests and the 2.7.2 leg were added"),
+        ("It takes 18 minutes on 2 cores (measured, no pip cache; table below).",
+         "re-timed on a clean clone after the issue 15-20 tests and the 2.7.2 leg were added "
+         "(36 minutes), then after issue 26 (18 minutes)"),
+    "Disk: each session deletes its virtualenv once it passes (`PADDLE_MGRAD_NOX_FREE_VENVS=1`) "
+    "and pip keeps no cache, so the clone peaks at 3.85 GB (the paddlepaddle-gpu + cuBLAS venv) "
+    "instead of ~15 GB for all venvs kept.":
+        ("Disk: each session deletes its virtualenv once it passes "
+         "(`PADDLE_MGRAD_NOX_FREE_VENVS=1`), pip keeps no cache, and a venv is installed ahead "
+         "only with 15 GB free, so the clone peaks at two sessions' venvs (~9 GB) where there is "
+         "room and at 3.85 GB (the paddlepaddle-gpu + cuBLAS venv) where there is not, instead of "
+         "~15 GB for all venvs kept.",
+         "issue 26: .ci/run installs the next sessions' venvs while the current one's tests run"),
     # issue 25: the package's wings (autograd/, fleet/, diagnostics/) and tests mirroring them
     "`tests/test_recomputation.py`": ("`tests/recomputation/test_recomputation.py`", _WINGS),
     "`tests/test_ops.py`": ("`tests/ops/test_ops.py`", _WINGS),
