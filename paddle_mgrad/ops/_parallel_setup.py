@@ -15,12 +15,15 @@ with its own single-file compiler) becomes a loop over a thread pool of ``$MAX_J
 CUDA sources are compiled first and alone: Paddle 2.6's single-file compiler swaps the compiler
 executable on the shared compiler object for a ``.cu`` file (nvcc) and restores it afterwards, so
 a C++ file compiled beside it would be handed to nvcc.  The C++ files share that object only by
-reading it, which is safe across threads.  The first compile error is raised once every started
-compile has finished (no orphaned compiler writing into the build directory).
+reading it, which is safe across threads.  After a compile error no further compile starts (the
+error stays at the end of the output, where the caller's message quotes it), and the first error
+is raised once every started compile has finished (no orphaned compiler writing into the build
+directory).
 """
 import os
 import runpy
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from distutils import ccompiler
 
@@ -53,9 +56,17 @@ def compile_concurrently(self, sources, output_dir=None, macros=None, include_di
     cuda = [t for t in todo if t[1].endswith(CUDA_SUFFIXES)]
     rest = [t for t in todo if not t[1].endswith(CUDA_SUFFIXES)]
 
+    failed = threading.Event()
+
     def one(task):
+        if failed.is_set():  # a compile failed: start no other (its error stays the last output)
+            return
         obj, src, ext = task
-        self._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+        try:
+            self._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+        except BaseException:
+            failed.set()
+            raise
 
     for task in cuda:
         one(task)

@@ -58,20 +58,24 @@ def test_cpp_sources_compile_at_the_same_time_after_the_cuda_ones_alone(tmp_path
 
 def test_first_error_is_raised_once_every_compile_has_ended(tmp_path, monkeypatch):
     monkeypatch.setenv("MAX_JOBS", "2")
-    slow_done = threading.Event()
+    slow_started, slow_done = threading.Event(), threading.Event()
 
     def fail():
+        assert slow_started.wait(20)  # fails while the other compile is running
         raise ccompiler.CompileError("b.cc: error: expected ';'")
 
     def slow():
+        slow_started.set()
         time.sleep(0.3)
         slow_done.set()
 
     fake = FakeCompiler({"b.cc": fail, "c.cc": slow})
     with pytest.raises(ccompiler.CompileError, match="b.cc: error"):
-        _compile(fake, ["b.cc", "c.cc"], tmp_path)
+        _compile(fake, ["b.cc", "c.cc", "d.cc", "e.cc"], tmp_path)
     assert slow_done.is_set()  # the other compiler was waited for, not orphaned
     assert fake.running == 0
+    # nothing queued started after the failure: the error is the build's last output
+    assert sorted(src for what, src, _ in fake.log if what == "start") == ["b.cc", "c.cc"], fake.log
 
 
 @pytest.mark.parametrize("value,expected", [
