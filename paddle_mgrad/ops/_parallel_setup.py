@@ -25,9 +25,11 @@ import runpy
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from distutils import ccompiler
 
-import setuptools  # noqa: F401  (first: its distutils, the one Paddle's setup uses)
+import setuptools  # noqa: F401  (before distutils: then distutils IS setuptools' copy, Paddle's)
+
+# isort: split
+from distutils import ccompiler
 
 CUDA_SUFFIXES = (".cu", ".cuh")
 
