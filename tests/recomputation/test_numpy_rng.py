@@ -1,0 +1,146 @@
+"""numpy_rng: the fast snapshot of ``np.random`` against numpy's own get_state/set_state.
+
+The reference is numpy itself: a state captured by ``numpy_rng.capture()`` and one by
+``np.random.get_state()`` at the same moment must replay the same draws however the
+generator moved in between (uniform draws that regenerate the key, normal draws that fill or
+empty the legacy cache, reseeding); hypothesis draws those histories.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import paddle_mgrad  # noqa: F401  (the package's import order: zlib, paddle)
+from paddle_mgrad.recomputation import numpy_rng, rng
+
+# what a history step does to np.random
+_STEPS = {
+    "uniform": lambda n: np.random.rand(n),          # the key only (n > 624: regenerated)
+    "normal": lambda n: np.random.randn(n),          # key and the normal-draw cache
+    "one_normal": lambda n: np.random.standard_normal(),  # one value: the cache flips
+    "seed": lambda n: np.random.seed(n),             # key reset, cache emptied
+    "int": lambda n: np.random.randint(0, 1 << 30, size=n),
+}
+_history = st.lists(st.tuples(st.sampled_from(sorted(_STEPS)), st.integers(0, 1500)),
+                    max_size=6)
+
+
+def _run(history):
+    return [_STEPS[name](n) for name, n in history]
+
+
+def _draws():
+    """What a block would draw after the state was applied (a normal first: the cache)."""
+    return (np.random.standard_normal(), np.random.rand(700), np.random.randn(3))
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_state():
+    state = np.random.get_state()
+    yield
+    np.random.set_state(state)
+
+
+def test_the_fast_path_is_calibrated_on_this_numpy():
+    """On the numpys of the test sessions the calibration finds the layout: the fast path
+    runs (else every snapshot is numpy's ~30 us get_state, still correct)."""
+    assert numpy_rng._fast_layout(np.random.mtrand._rand) is not None
+    assert type(numpy_rng.capture()) is numpy_rng._Snapshot
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(before=_history, between=_history, seed=st.integers(0, 2 ** 32 - 1))
+def test_capture_restore_replays_like_numpy(before, between, seed):
+    np.random.seed(seed)
+    _run(before)
+    ours, ref = numpy_rng.capture(), np.random.get_state()
+    legacy = ours.legacy()
+    assert np.array_equal(legacy[1], ref[1]) and legacy[2:] == tuple(ref[2:])
+    _run(between)
+    numpy_rng.restore(ours)
+    got = _draws()
+    np.random.set_state(ref)
+    want = _draws()
+    assert _same(got, want)
+    # a snapshot replays the same draws every time (retain_graph: several recomputations)
+    _run(between)
+    numpy_rng.restore(ours)
+    assert _same(_draws(), want)
+
+
+def test_a_cached_normal_used_in_between_is_given_back():
+    """One normal draw taken from the cache moves no key word: the MT19937 bytes are equal,
+    only the cache differs -- the snapshot must still bring the cached value back."""
+    np.random.seed(5)
+    np.random.standard_normal()  # two values made, one cached
+    snap = numpy_rng.capture()
+    cached = np.random.standard_normal()  # the cached one; the key did not move
+    assert snap.mt == numpy_rng.capture().mt
+    numpy_rng.restore(snap)
+    assert np.random.standard_normal() == cached
+
+
+def test_another_bit_generator_uses_numpys_functions():
+    """``np.random.set_bit_generator`` swaps the global generator's bit generator: snapshots
+    are then numpy's own state, and a fast snapshot taken before is applied by numpy."""
+    if not hasattr(np.random, "set_bit_generator"):
+        pytest.skip("numpy < 1.25 has no np.random.set_bit_generator")
+    original = np.random.get_bit_generator()
+    try:
+        np.random.set_bit_generator(np.random.PCG64(3))
+        snap = numpy_rng.capture()
+        assert type(snap) is not numpy_rng._Snapshot
+        want = np.random.rand(5)
+        numpy_rng.restore(snap)
+        assert np.array_equal(np.random.rand(5), want)
+        np.random.set_bit_generator(np.random.MT19937(4))  # MT19937 again: fast
+        snap = numpy_rng.capture()
+        assert type(snap) is numpy_rng._Snapshot
+        want = _draws()
+        np.random.set_bit_generator(np.random.MT19937(9))  # another object, same type
+        numpy_rng.restore(snap)
+        assert _same(_draws(), want)
+    finally:
+        np.random.set_bit_generator(original)
+
+
+@pytest.mark.parametrize("calibration", ["none", "raises"])
+def test_without_a_calibration_numpys_functions_do_it(monkeypatch, calibration):
+    def calibrate():
+        if calibration == "raises":
+            raise RuntimeError("unknown layout")
+        return None
+
+    monkeypatch.setattr(numpy_rng, "_calibrate", calibrate)
+    monkeypatch.setattr(numpy_rng, "_layout", numpy_rng._UNKNOWN)
+    np.random.seed(11)
+    np.random.standard_normal()
+    snap = numpy_rng.capture()
+    assert type(snap) is tuple and snap[3] == 1
+    want = _draws()
+    numpy_rng.restore(snap)
+    assert _same(_draws(), want)
+
+
+def test_calibration_rejects_a_layout_it_cannot_confirm(monkeypatch):
+    """Two places that both hold the probe values: no unique offset, no fast path."""
+    monkeypatch.setattr(numpy_rng, "_only_offset", lambda samples, fmt, values: None)
+    assert numpy_rng._calibrate() is None
+
+
+def test_rng_state_snapshot_replays_numpy():
+    """Through rng.RNGState, as recompute uses it: the block's numpy draws replay, the
+    caller's state is back after."""
+    np.random.seed(2)
+    np.random.standard_normal()
+    snap = rng.capture()
+    first = _draws()  # the forward
+    after = np.random.get_state()
+    ref = _draws()  # what the caller draws next without a recomputation
+    np.random.set_state(after)
+    with snap.restored():
+        assert _same(_draws(), first)  # the recomputation
+    assert _same(_draws(), ref)
