@@ -43,7 +43,7 @@ import types
 from paddle import _C_ops
 
 from . import _compat, ops, registry, stats
-from ._compat import is_tensor, paddle, tracer
+from ._compat import paddle, tracer
 from .autograd import backward_errors, param_hooks, passes as autograd_passes
 from .errors import FusedLinearError
 from .registry import original
@@ -459,19 +459,15 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         return dx, dw, db
 
 
-def _plain_dense(t) -> bool:
-    """A plain dense eager Tensor (not a numpy array, tuple, SelectedRows or dist tensor:
-    ``is_dense()`` is False for the last two on Paddle 2.6 and 3.x alike)."""
-    return is_tensor(t) and t.is_dense()
-
-
 def _route(x, weight, bias, transpose_weight=False):
     """None when the call goes to Paddle's own function unchanged; else the facts our
     PyLayer keeps for its backward: ``(dtype name, on the CPU)``.
 
     The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
     grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
-    plain dense tensors of one dtype the op supports, on one place (zero-size included: the
+    plain dense eager tensors (not numpy arrays, tuples, SelectedRows or dist tensors:
+    ``is_dense()`` is False for the last two on Paddle 2.6 and 3.x alike) of one dtype the
+    op supports, on one place (zero-size included: the
     op handles K = 0 / N = 0 / M = 0, and main_grad still receives the gradient);
     ``weight`` 2-D, ``x`` at least 2-D, ``bias`` None or 1-D ``[N]``.  Everything
     else -- Paddle 2.6's ``linear((x,), w)`` (``recompute_sequential`` does that),
@@ -481,14 +477,19 @@ def _route(x, weight, bias, transpose_weight=False):
     the shapes.  "On the CPU" is true only with K, N > 0 (the common case of
     :func:`_backward_fast`; a zero-size product takes the general backward).
     """
-    # cheapest first; each dtype, shape and place is asked once (each is a call into Paddle)
-    if not paddle.in_dynamic_mode() or not tracer()._has_grad:
+    # cheapest first; each dtype, shape and place is asked once: every question is a call into
+    # Paddle, and in a model's step (Paddle's code and ours competing for the CPU's caches) each
+    # costs about a microsecond, several times its cost in a loop of its own
+    tr = _global_var._dygraph_tracer_  # paddle.in_dynamic_mode(): not None
+    if tr is None or not tr._has_grad:
         return None
-    for t in (x, weight) if bias is None else (x, weight, bias):
-        if not _plain_dense(t):
-            return None
-    if not (_wants_grad(weight) or _wants_grad(bias)):
+    if not (isinstance(x, _Tensor) and isinstance(weight, _Tensor) and x.is_dense()
+            and weight.is_dense()):
         return None
+    if bias is not None and not (isinstance(bias, _Tensor) and bias.is_dense()):
+        return None
+    if weight.stop_gradient and (bias is None or bias.stop_gradient):
+        return None  # nothing to accumulate
     w_shape, x_shape = weight.shape, x.shape
     if len(w_shape) != 2 or len(x_shape) < 2:
         return None
@@ -507,6 +508,12 @@ def _route(x, weight, bias, transpose_weight=False):
             f"fused_linear: x {list(x_shape)} does not match weight {list(w_shape)} "
             f"(x's last dim must be {k})")
     return x_name, place == _CPU_PLACE and k > 0 and n > 0
+
+
+# what :func:`_route` reads: ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` on
+# Paddle 2.6 and 3.x (a thread-local of paddle.base.framework); the eager Tensor class
+_global_var = _compat.global_var
+_Tensor = _compat.core.eager.Tensor
 
 
 # ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
