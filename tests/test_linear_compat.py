@@ -68,6 +68,9 @@ def _case(name):
         "zero_size_w": lambda: (lambda: F.linear(_xz, _wz), [_xz, _wz]),  # TestLinearAPI_ZeroSize
         "zero_rows": lambda: (lambda: F.linear(_x0, w, b), [_x0, w, b]),
         "nn_linear_3d": lambda: (lambda: _lin(_x3), [_x3, _lin.weight, _lin.bias]),
+        "frozen_w_numpy_b": lambda: (lambda: F.linear(x, _wf, B), [x]),
+        "frozen_w_grad_b": lambda: (lambda: F.linear(x, _wf, b), [x, b]),
+        "no_grad_mode": lambda: (lambda: _no_grad(F.linear, x, w, b), [x, w, b]),
     }
     _x3, _x1 = _t(X3), _t(X[0])
     _wf, _bf = _param(W, grad=False), _param(B, grad=False)
@@ -87,9 +90,17 @@ def _case(name):
 CASES = ["plain", "name_kw", "3d_x", "frozen_params", "tuple_x", "tuple2_x", "list_x", "numpy_x",
          "numpy_w", "numpy_b", "1d_x", "1d_w", "3d_w", "bias_1xN", "bias_1", "bias_wrong_len",
          "x_f64_w_f32", "x_f32_w_f64", "bias_f64", "f64_all", "int_x", "bad_k", "zero_size_w",
-         "zero_rows", "nn_linear_3d"]
-# Cases that must run through the fused PyLayer (the rest may go either way).
-OURS = {"plain", "name_kw", "3d_x", "nn_linear_3d"}
+         "zero_rows", "nn_linear_3d", "frozen_w_numpy_b", "frozen_w_grad_b", "no_grad_mode"]
+# Cases that must run through the fused PyLayer, and cases that must be Paddle's own call
+# (nothing to accumulate, or inputs our backward does not take); the rest may go either way.
+OURS = {"plain", "name_kw", "3d_x", "nn_linear_3d", "frozen_w_grad_b"}
+PADDLES = {"frozen_params", "frozen_w_numpy_b", "numpy_b", "no_grad_mode", "bias_1xN",
+           "x_f64_w_f32", "bias_f64", "1d_x", "tuple_x"}
+
+
+def _no_grad(fn, *args):
+    with paddle.no_grad():
+        return fn(*args)
 
 
 def _run(name):
@@ -130,6 +141,8 @@ def test_same_result_or_same_error_as_paddle(name):
             np.testing.assert_allclose(g_ours, g_plain, rtol=1e-5, atol=1e-6)
     if name in OURS:
         assert ours["fused"] == 1, "the fused linear was bypassed"
+    if name in PADDLES:
+        assert ours["fused"] == 0, "Paddle's own call was expected"
 
 
 def test_paddle26_accepts_tuple_input():
