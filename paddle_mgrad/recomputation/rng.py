@@ -42,12 +42,18 @@ def _custom_state_funcs():
     return mgr.custom_get_state_func, mgr.custom_set_state_func
 
 
-def _tracker():
-    from paddle.distributed.fleet.meta_parallel.parallel_layers.random import (
-        get_rng_state_tracker,
-    )
+_get_tracker = None  # fleet's get_rng_state_tracker, imported at the first capture
 
-    return get_rng_state_tracker()
+
+def _tracker():
+    global _get_tracker
+    if _get_tracker is None:  # (fleet is a heavy import: not at ours)
+        from paddle.distributed.fleet.meta_parallel.parallel_layers.random import (
+            get_rng_state_tracker,
+        )
+
+        _get_tracker = get_rng_state_tracker
+    return _get_tracker()
 
 
 class RNGState:
