@@ -1,4 +1,5 @@
-// Paddle binding of the fused weight-gradient op:
+// Paddle binding of the fused weight-gradient op (and of pmg_fused_linear_bwd, the same op with
+// the input gradient of a float32 CPU linear, further down):
 //
 //   pmg_fused_wgrad_add(x, dout, dweight?, dbias?, multi_precision, has_bias)
 //     -> (dweight_out, dbias_out)
@@ -322,6 +323,64 @@ std::vector<paddle::DataType> FusedWgradInferDtype(
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }
 
+// The whole ordinary backward of y = x . W (+ b) for float32 CPU tensors in one op call (issue
+// 23: in a model's step each dispatch into Paddle costs the host ~10 us, as much as a small
+// layer's GEMMs):
+//
+//   pmg_fused_linear_bwd(x, dout, weight, dweight?, dbias?, has_bias) -> (dx, dweight_out,
+//                                                                          dbias_out)
+//
+// dx = dout . W^T, a new [..., K] tensor; the weight/bias gradients exactly as
+// pmg_fused_wgrad_add(x, dout, dweight, dbias, multi_precision=True, has_bias).  Everything
+// that can fail -- the checks below and FusedWgrad's, dx's allocation -- happens before the
+// first write, so a refused call leaves the accumulators untouched (the Python caller then
+// takes the checked path and raises its error).
+std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle::Tensor& dout,
+                                           const paddle::Tensor& weight,
+                                           const paddle::optional<paddle::Tensor>& dweight,
+                                           const paddle::optional<paddle::Tensor>& dbias,
+                                           bool has_bias) {
+  PD_CHECK(x.is_cpu() && dout.is_cpu() && weight.is_cpu(),
+           "pmg_fused_linear_bwd: x, dout and weight must be CPU tensors");
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && dout.dtype() == paddle::DataType::FLOAT32 &&
+               weight.dtype() == paddle::DataType::FLOAT32,
+           "pmg_fused_linear_bwd: x, dout and weight must be float32");
+  const auto xs = x.shape(), ys = dout.shape(), ws = weight.shape();
+  PD_CHECK(!xs.empty() && !ys.empty() && ws.size() == 2 && ws[0] == xs.back() &&
+               ws[1] == ys.back(),
+           "pmg_fused_linear_bwd: weight ", shape_str(ws), " must be [K, N] for x ",
+           shape_str(xs), " and dout ", shape_str(ys));
+  // Paddle 2.6 refuses a zero-size custom-op output ("not initialized") after the kernel ran,
+  // that is after the accumulation: refuse a zero-size product here, before writing (the
+  // caller's checked path handles M, K or N = 0).
+  PD_CHECK(leading(xs) > 0 && ws[0] > 0 && ws[1] > 0, "pmg_fused_linear_bwd: x ", shape_str(xs),
+           " and weight ", shape_str(ws), ": a zero-size product (M, K or N = 0)");
+  paddle::Tensor dx = paddle::empty(xs, paddle::DataType::FLOAT32, x.place());
+  std::vector<paddle::Tensor> grads = FusedWgrad(x, dout, dweight, dbias, true, has_bias);
+  const int64_t M = leading(xs), K = ws[0], N = ws[1];
+  pmg::dgrad_cpu_f32(dout.numel() > 0 ? dout.data<float>() : nullptr,
+                     weight.numel() > 0 ? weight.data<float>() : nullptr,
+                     dx.numel() > 0 ? dx.data<float>() : nullptr, M, K, N);
+  return {dx, grads[0], grads[1]};
+}
+
+std::vector<std::vector<int64_t>> FusedLinearBwdInferShape(
+    const std::vector<int64_t>& x_shape, const std::vector<int64_t>& dout_shape,
+    const std::vector<int64_t>& weight_shape,
+    const paddle::optional<std::vector<int64_t>>& dweight_shape,
+    const paddle::optional<std::vector<int64_t>>& dbias_shape, bool has_bias) {
+  const int64_t K = x_shape.back(), N = dout_shape.back();
+  return {x_shape, {K, N}, {has_bias ? N : 1}};
+}
+
+std::vector<paddle::DataType> FusedLinearBwdInferDtype(
+    const paddle::DataType& x_dtype, const paddle::DataType& dout_dtype,
+    const paddle::DataType& weight_dtype, const paddle::optional<paddle::DataType>& dweight_dtype,
+    const paddle::optional<paddle::DataType>& dbias_dtype, bool has_bias) {
+  const auto acc = acc_dtype(x_dtype, true);
+  return {x_dtype, dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
+}
+
 // A tiny op that reports what runs, as int32[5]:
 //   [0] CPU GEMM compiled in (1 = oneDNN, 0 = portable), [1] CUDA compiled in,
 //   [2] native bf16: the CPU has avx512_bf16 / AMX (run-time cpuid) and oneDNN uses it,
@@ -361,6 +420,14 @@ PD_BUILD_OP(pmg_fused_wgrad_add)
     .SetKernelFn(PD_KERNEL(FusedWgrad))
     .SetInferShapeFn(PD_INFER_SHAPE(FusedWgradInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(FusedWgradInferDtype));
+
+PD_BUILD_OP(pmg_fused_linear_bwd)
+    .Inputs({"X", "DOut", "Weight", paddle::Optional("DWeight"), paddle::Optional("DBias")})
+    .Outputs({"DX", "DWeightOut", "DBiasOut"})
+    .Attrs({"has_bias: bool"})
+    .SetKernelFn(PD_KERNEL(FusedLinearBwd))
+    .SetInferShapeFn(PD_INFER_SHAPE(FusedLinearBwdInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(FusedLinearBwdInferDtype));
 
 PD_BUILD_OP(pmg_backend_info)
     .Inputs({"Any"})

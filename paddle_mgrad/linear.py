@@ -240,9 +240,11 @@ def _backward_fast(ctx, x, dy, weight, bias):
     ``bias`` (or None) plain dense CPU tensors of one dtype, K, N > 0.  Here: grad mode off (no
     ``create_graph``), ``dy`` of that dtype (no autocast), weight and bias needing a gradient,
     each with a ``main_grad`` attribute and no user gradient hook, ``main_grad`` contiguous
-    or None, ``x``/``dy`` contiguous.  Then the op runs straight into ``main_grad`` (or
-    allocates it: first micro-step) and checks the rest itself before writing anything: the
-    accumulator dtypes (``main_grad`` must be the master-gradient dtype), shapes and places.
+    or None.  Then the op runs straight into ``main_grad`` (or allocates it: first
+    micro-step) and checks the rest itself before writing anything: the accumulator dtypes
+    (``main_grad`` must be the master-gradient dtype), shapes and places.  For float32 the
+    same op call also computes ``dx`` (``pmg_fused_linear_bwd``): a linear's whole backward
+    is one dispatch into Paddle.
 
     Returns the backward's result, or None for any other case, and when the op refuses the
     call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
@@ -270,17 +272,22 @@ def _backward_fast(ctx, x, dy, weight, bias):
             return None
     else:
         b_acc = None
-    if not (x.is_contiguous() and dy.is_contiguous()):
-        return None
     run = ops.cpu_runner(x_name)
     if run is None:
         return None
+    # (x and dy may be strided: Paddle hands a custom op contiguous copies of its inputs, on
+    # 2.6 and 3.x; only an accumulator, written in place, must be contiguous itself)
     try:
-        dw, db = run("pmg_fused_wgrad_add", x, dy, w_acc, b_acc, True, bias is not None)
+        if x_name == "float32" and ctx.x_needs_grad:
+            # dx too, in the same call: one dispatch into Paddle instead of two
+            dx, dw, db = run("pmg_fused_linear_bwd", x, dy, weight, w_acc, b_acc,
+                             bias is not None)
+        else:
+            dw, db = run("pmg_fused_wgrad_add", x, dy, w_acc, b_acc, True, bias is not None)
+            dx = None
     except Exception:  # noqa: BLE001 -- refused before writing: the general path raises
         return None
-    dx = None
-    if ctx.x_needs_grad:
+    if dx is None and ctx.x_needs_grad:
         dx = _C_ops.matmul(dy, weight, False, True)
     fused = stats.fused_params
     fused.add(weight.name)

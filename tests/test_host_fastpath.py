@@ -381,3 +381,53 @@ def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
         assert (a.grad is None) == (b.grad is None)
         if a.grad is not None:
             np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,x_grad,op", [
+    ("float32", True, "pmg_fused_linear_bwd"),   # dx in the same call
+    ("float32", False, "pmg_fused_wgrad_add"),   # no dx wanted
+    ("float64", True, "pmg_fused_wgrad_add"),    # dx by Paddle's matmul
+])
+def test_common_case_backward_is_one_op_call_for_float32(monkeypatch, dtype, x_grad, op):
+    """A float32 linear's common-case backward is ONE dispatch into Paddle: our op computes dx
+    too (``pmg_fused_linear_bwd``); otherwise the weight-gradient op (and Paddle's matmul for
+    dx).  Gradients equal plain Paddle's either way."""
+    if ops.load() is None:
+        pytest.skip("C++ op not built")
+    real = ops.cpu_runner
+    calls = []
+
+    def runner(x_name):
+        run = real(x_name)
+
+        def spy(name, *args):
+            calls.append(name)
+            return run(name, *args)
+
+        return None if run is None else spy
+
+    monkeypatch.setattr(ops, "cpu_runner", runner)
+    rs = np.random.RandomState(1)
+    ours, ref = _layer_pair(True, True, rs)
+    if dtype == "float64":
+        for layer in (ours, ref):
+            layer.to(dtype="float64")
+            for p in layer.parameters():
+                p.main_grad = None
+    data = rs.standard_normal([3, 5]).astype(dtype)
+    xs = []
+    for layer, fused in ((ref, False), (ours, True)):
+        x = paddle.to_tensor(data)
+        x.stop_gradient = not x_grad
+        if fused:
+            paddle_mgrad.enable(recompute=False, fused_linear=True)
+        try:
+            (layer(x) ** 2).sum().backward()
+        finally:
+            paddle_mgrad.disable()
+        xs.append(x)
+    assert calls == [op]
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5)
+    if x_grad:
+        np.testing.assert_allclose(xs[1].grad.numpy(), xs[0].grad.numpy(), rtol=1e-5, atol=1e-5)
