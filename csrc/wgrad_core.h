@@ -98,11 +98,4 @@ std::string cpu_env_problem(DType in_dtype);
 // Returns an empty string on success, else a message naming what failed.
 std::string wgrad_cpu(const WgradArgs& a);
 
-// The input gradient of y = x . W for fp32 on the CPU (a linear's whole backward in one op
-// call with wgrad_cpu: issue 23, the host cost of a dispatch):
-//   dX[M, K] = dY[M, N] . W[K, N]^T      (row-major, dX overwritten)
-// Any of M, K, N may be 0 (N = 0: dX is zeros).  Same GEMM and threading rule as wgrad_cpu.
-void dgrad_cpu_f32(const float* dy, const float* w, float* dx, int64_t M, int64_t K,
-                   int64_t N);
-
 }  // namespace pmg

@@ -202,23 +202,6 @@ void portable_sgemm_tn(const float* A, const float* B, float* C, int64_t M, int6
   }
 }
 
-// C[M, K] = A[M, N] . B[K, N]^T, fp32, row-major (C overwritten): each element a dot
-// product of two contiguous rows.
-void portable_sgemm_nt(const float* A, const float* B, float* C, int64_t M, int64_t K,
-                       int64_t N) {
-#pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    const float* a = A + m * N;
-    for (int64_t k = 0; k < K; ++k) {
-      const float* b = B + k * N;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t n = 0; n < N; ++n) acc += a[n] * b[n];
-      C[m * K + k] = acc;
-    }
-  }
-}
-
 void sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K, int64_t N,
               float beta) {
 #ifdef PMG_WITH_ONEDNN
@@ -439,24 +422,6 @@ bool small_product(const WgradArgs& a) {
 }
 
 }  // namespace
-
-void dgrad_cpu_f32(const float* dy, const float* w, float* dx, int64_t M, int64_t K,
-                   int64_t N) {
-  if (M == 0 || K == 0) return;
-  if (N == 0) {  // an empty sum
-    std::memset(dx, 0, sizeof(float) * static_cast<size_t>(M * K));
-    return;
-  }
-  WgradArgs dims;  // the same product size rule as the weight gradient (M*K*N)
-  dims.M = M;
-  dims.K = K;
-  dims.N = N;
-  const SerialScope serial(small_product(dims));
-#ifdef PMG_WITH_ONEDNN
-  if (dnnl_sgemm('N', 'T', M, K, N, 1.f, dy, N, w, N, 0.f, dx, K) == 0) return;
-#endif
-  portable_sgemm_nt(dy, w, dx, M, K, N);
-}
 
 std::string wgrad_cpu(const WgradArgs& a) {
   // Environment first: a bad knob (changed after import) fails before anything is written.

@@ -1,5 +1,5 @@
 // Paddle binding of the fused weight-gradient op (and of pmg_fused_linear_bwd, the same op with
-// the input gradient of a float32 CPU linear, further down):
+// the input gradient of a float32/float64 CPU linear, further down):
 //
 //   pmg_fused_wgrad_add(x, dout, dweight?, dbias?, multi_precision, has_bias)
 //     -> (dweight_out, dbias_out)
@@ -323,18 +323,22 @@ std::vector<paddle::DataType> FusedWgradInferDtype(
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }
 
-// The whole ordinary backward of y = x . W (+ b) for float32 CPU tensors in one op call (issue
-// 23: in a model's step each dispatch into Paddle costs the host ~10 us, as much as a small
-// layer's GEMMs):
+// The whole ordinary backward of y = x . W (+ b) for float32 / float64 CPU tensors in one op
+// call (issue 23: in a model's step each dispatch into Paddle from Python costs the host
+// ~10 us, as much as a small layer's GEMMs):
 //
 //   pmg_fused_linear_bwd(x, dout, weight, dweight?, dbias?, has_bias) -> (dx, dweight_out,
 //                                                                          dbias_out)
 //
-// dx = dout . W^T, a new [..., K] tensor; the weight/bias gradients exactly as
-// pmg_fused_wgrad_add(x, dout, dweight, dbias, multi_precision=True, has_bias).  Everything
-// that can fail -- the checks below and FusedWgrad's, dx's allocation -- happens before the
-// first write, so a refused call leaves the accumulators untouched (the Python caller then
-// takes the checked path and raises its error).
+// dx = dout . W^T by Paddle's own matmul kernel (its C++ API: the same kernel, hence the same
+// dx, as the Python matmul it replaces, and on Paddle's own BLAS threads -- MKL's OpenMP runtime
+// on x86 wheels: moving this GEMM onto our libgomp regions made them wait for MKL's threads,
+// which spin for 200 ms after each of Paddle's matmuls, and the llama example got slower);
+// the weight/bias gradients exactly as pmg_fused_wgrad_add(x, dout, dweight, dbias,
+// multi_precision=True, has_bias).  Everything that can fail -- the checks below, dx's
+// matmul, FusedWgrad's own checks -- happens before the first write, so a refused call leaves
+// the accumulators untouched (the Python caller then takes the checked path and raises its
+// error).
 std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle::Tensor& dout,
                                            const paddle::Tensor& weight,
                                            const paddle::optional<paddle::Tensor>& dweight,
@@ -342,9 +346,9 @@ std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle
                                            bool has_bias) {
   PD_CHECK(x.is_cpu() && dout.is_cpu() && weight.is_cpu(),
            "pmg_fused_linear_bwd: x, dout and weight must be CPU tensors");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && dout.dtype() == paddle::DataType::FLOAT32 &&
-               weight.dtype() == paddle::DataType::FLOAT32,
-           "pmg_fused_linear_bwd: x, dout and weight must be float32");
+  PD_CHECK((x.dtype() == paddle::DataType::FLOAT32 || x.dtype() == paddle::DataType::FLOAT64) &&
+               dout.dtype() == x.dtype() && weight.dtype() == x.dtype(),
+           "pmg_fused_linear_bwd: x, dout and weight must be float32 (or all float64)");
   const auto xs = x.shape(), ys = dout.shape(), ws = weight.shape();
   PD_CHECK(!xs.empty() && !ys.empty() && ws.size() == 2 && ws[0] == xs.back() &&
                ws[1] == ys.back(),
@@ -355,12 +359,8 @@ std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle
   // caller's checked path handles M, K or N = 0).
   PD_CHECK(leading(xs) > 0 && ws[0] > 0 && ws[1] > 0, "pmg_fused_linear_bwd: x ", shape_str(xs),
            " and weight ", shape_str(ws), ": a zero-size product (M, K or N = 0)");
-  paddle::Tensor dx = paddle::empty(xs, paddle::DataType::FLOAT32, x.place());
+  paddle::Tensor dx = paddle::experimental::matmul(dout, weight, false, true);
   std::vector<paddle::Tensor> grads = FusedWgrad(x, dout, dweight, dbias, true, has_bias);
-  const int64_t M = leading(xs), K = ws[0], N = ws[1];
-  pmg::dgrad_cpu_f32(dout.numel() > 0 ? dout.data<float>() : nullptr,
-                     weight.numel() > 0 ? weight.data<float>() : nullptr,
-                     dx.numel() > 0 ? dx.data<float>() : nullptr, M, K, N);
   return {dx, grads[0], grads[1]};
 }
 

@@ -242,9 +242,9 @@ def _backward_fast(ctx, x, dy, weight, bias):
     each with a ``main_grad`` attribute and no user gradient hook, ``main_grad`` contiguous
     or None.  Then the op runs straight into ``main_grad`` (or allocates it: first
     micro-step) and checks the rest itself before writing anything: the accumulator dtypes
-    (``main_grad`` must be the master-gradient dtype), shapes and places.  For float32 the
-    same op call also computes ``dx`` (``pmg_fused_linear_bwd``): a linear's whole backward
-    is one dispatch into Paddle.
+    (``main_grad`` must be the master-gradient dtype), shapes and places.  For float32 and
+    float64 the same op call also computes ``dx`` (``pmg_fused_linear_bwd``, with Paddle's
+    own matmul kernel): a linear's whole backward is one dispatch into Paddle.
 
     Returns the backward's result, or None for any other case, and when the op refuses the
     call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
@@ -278,7 +278,7 @@ def _backward_fast(ctx, x, dy, weight, bias):
     # (x and dy may be strided: Paddle hands a custom op contiguous copies of its inputs, on
     # 2.6 and 3.x; only an accumulator, written in place, must be contiguous itself)
     try:
-        if x_name == "float32" and ctx.x_needs_grad:
+        if ctx.x_needs_grad and x_name in _ONE_CALL_DTYPES:
             # dx too, in the same call: one dispatch into Paddle instead of two
             dx, dw, db = run("pmg_fused_linear_bwd", x, dy, weight, w_acc, b_acc,
                              bias is not None)
@@ -301,6 +301,11 @@ def _backward_fast(ctx, x, dy, weight, bias):
         bias.main_grad = db
     stats.bump2(stats.linear, "backward", 1, "into_main_grad", 2)
     return dx, None, None
+
+
+# input dtypes whose common-case backward computes dx inside our op (Paddle's CPU matmul kernel
+# takes float32 and float64; there is no bf16/fp16 matmul on Paddle's CPU)
+_ONE_CALL_DTYPES = frozenset(("float32", "float64"))
 
 
 def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):

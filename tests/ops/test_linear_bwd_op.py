@@ -1,10 +1,12 @@
-"""``pmg_fused_linear_bwd``: a float32 CPU linear's whole backward in one op call (issue 23).
+"""``pmg_fused_linear_bwd``: a float32/float64 CPU linear's whole backward in one op call
+(issue 23).
 
-dx = dout . W^T (new) and the weight/bias gradients accumulated as ``pmg_fused_wgrad_add``
+dx = dout . W^T (new, Paddle's matmul kernel: equal to ``paddle.matmul`` bit for bit) and the
+weight/bias gradients accumulated as ``pmg_fused_wgrad_add``
 with multi_precision does; against a float64 numpy reference over shapes hypothesis draws
 (3-D inputs, strided views, given or missing accumulators; M = 0 or N = 0 is refused before
 anything is written: Paddle 2.6 rejects a zero-size output after the kernel ran).  A call the op
-refuses writes nothing.  The portable build's kernel (no oneDNN) runs in test_ops' CHECK.
+refuses writes nothing.  The portable build (no oneDNN) runs it in test_ops' CHECK.
 """
 import numpy as np
 import paddle
@@ -63,6 +65,7 @@ def test_matches_float64(run, lead, k, n, bias, given_acc, strided, seed):
     assert list(dx.shape) == lead + [k] and dx.dtype == paddle.float32
     np.testing.assert_allclose(dx.numpy().reshape(m, k), y2 @ w.astype("f8").T,
                                rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(dx.numpy(), paddle.matmul(tdy, tw, transpose_y=True).numpy())
     base_w = w0.astype("f8") if given_acc else 0.0
     np.testing.assert_allclose(dw.numpy(), base_w + x2.T @ y2, rtol=1e-4, atol=1e-4)
     if given_acc:  # in place: the given accumulators are the outputs
@@ -82,6 +85,9 @@ def _refused_calls():
         "weight K": (x, dy, paddle.randn([6, 3]), mg, mb, True),
         "weight dtype": (x, dy, w.astype("float64"), mg, mb, True),
         "x dtype": (x.astype("float64"), dy.astype("float64"), w, mg, mb, True),
+        "bfloat16": (x.astype("bfloat16"), dy.astype("bfloat16"), w.astype("bfloat16"), mg, mb,
+                     True),
+        "float64 accumulators for float32": (x, dy, w, mg.astype("float64"), None, False),
         "leading dims": (x, paddle.randn([5, 3]), w, mg, mb, True),
         "dweight shape": (x, dy, w, paddle.ones([3, 5]), mb, True),
         "dweight dtype": (x, dy, w, paddle.ones([5, 3], "float64"), mb, True),
@@ -100,3 +106,15 @@ def test_a_refused_call_writes_nothing(run, case):
     for a, (ptr, values) in zip(accs, before):
         assert a.data_ptr() == ptr
         np.testing.assert_array_equal(a.numpy(), values)
+
+
+def test_float64(run):
+    rs = np.random.RandomState(4)
+    x, dy, w = (paddle.to_tensor(rs.standard_normal(s)) for s in ([2, 6, 5], [2, 6, 3], [5, 3]))
+    mg, mb = paddle.ones([5, 3], "float64"), paddle.ones([3], "float64")
+    dx, dw, db = run("pmg_fused_linear_bwd", x, dy, w, mg, mb, True)
+    x2, y2 = x.numpy().reshape(12, 5), dy.numpy().reshape(12, 3)
+    np.testing.assert_allclose(dx.numpy().reshape(12, 5), y2 @ w.numpy().T, rtol=1e-12)
+    np.testing.assert_allclose(mg.numpy(), 1 + x2.T @ y2, rtol=1e-12)
+    np.testing.assert_allclose(mb.numpy(), 1 + y2.sum(0), rtol=1e-12)
+    assert dw.data_ptr() == mg.data_ptr() and db.data_ptr() == mb.data_ptr()
