@@ -18,10 +18,10 @@ The first ``unpack`` of an empty holder re-runs the function (with the forward's
 RNG and AMP state) under an inner pack hook that walks the holders in order:
 for holder *i* it stores a ``detach()``-ed view of the recomputed tensor (it
 shares the buffer: no copy), with ``stop_gradient`` and Python attributes
-carried over.  Each view is popped from storage as soon as backward has it, so
-recomputed activations are freed as early as Paddle's own.  Storage is keyed by
-weak references to the holders, so a holder whose graph node died never keeps
-a recomputed tensor alive.
+carried over.  The view is stored on the holder itself and taken off it as soon as
+backward has it, so recomputed activations are freed as early as Paddle's own, and
+a holder whose graph node died never keeps a recomputed tensor alive (it dies with
+the holder).
 
 The forward records each saved tensor's shape and dtype; recomputation checks
 them, and a different count, shape or dtype raises :class:`RecomputeError`
@@ -57,7 +57,11 @@ from .tensors import (
 
 
 class _Holder:
-    """What autograd keeps instead of a saved tensor (see module docstring)."""
+    """What autograd keeps instead of a saved tensor (see module docstring).
+
+    ``value``: a kept holder's object; an empty holder's recomputed view while it waits for
+    its unpack (None before the recomputation and after the unpack: a dropped activation is
+    never None, :meth:`_Frame._keep` keeps None)."""
 
     __slots__ = ("index", "kept", "value", "for_op", "__weakref__")
 
@@ -85,7 +89,6 @@ class _Frame:
         self.arg_ids = {id(t) for t in iter_tensors((args, kwargs))}
         self.specs: list = []
         self.holders: list = []
-        self.storage = weakref.WeakKeyDictionary()
 
     # -- forward -----------------------------------------------------------
     def _keep(self, x) -> bool:
@@ -113,9 +116,9 @@ class _Frame:
                 return buffer_sharing_tensor(holder.value)
             return holder.value
         try:
-            if holder not in self.storage:
+            if holder.value is None:
                 self.rerun()
-            if holder not in self.storage:  # pragma: no cover - defensive
+            if holder.value is None:  # pragma: no cover - defensive
                 raise RecomputeError(
                     f"recompute({function_name(self.function)}): saved tensor #{holder.index} "
                     "was not reproduced by recomputation"
@@ -123,7 +126,8 @@ class _Frame:
         except RecomputeError as e:
             _errors.record(e)  # Paddle's engine re-raises it as OSError
             raise
-        return self.storage.pop(holder)
+        value, holder.value = holder.value, None  # backward has it: freed with its use
+        return value
 
     # -- backward ----------------------------------------------------------
     def rerun(self):
@@ -131,7 +135,7 @@ class _Frame:
         stats.bump(stats.recompute, "recomputations")
         counter = 0
         problems: list = []
-        specs, holders, storage = self.specs, self.holders, self.storage
+        specs, holders = self.specs, self.holders
         check_shapes = self.check != "none"
         prints, recomputed_prints = self.prints, []
 
@@ -146,7 +150,8 @@ class _Frame:
                         f"the forward saved only {len(specs)}"
                     )
                 return None
-            if check_shapes and spec(x) != specs[i]:
+            x_spec = spec(x) if check_shapes or IS_PADDLE_2 else None
+            if check_shapes and x_spec != specs[i]:
                 want = "None" if specs[i] is None else (
                     f"shape={list(specs[i][0])}, dtype={specs[i][1]}")
                 problems.append(
@@ -159,7 +164,7 @@ class _Frame:
                 return None
             if i in prints:
                 recomputed_prints.append((i, fingerprint(x), describe(x)))
-            storage[holder] = buffer_sharing_tensor(x) if holder.for_op else detached_view(x)
+            holder.value = buffer_sharing_tensor(x, x_spec) if holder.for_op else detached_view(x)
             return None
 
         def inner_unpack(_):  # the recomputed graph is never back-propagated
@@ -178,7 +183,10 @@ class _Frame:
         if recomputed_prints and not problems:
             problems.extend(_value_problems(prints, recomputed_prints))
         if problems:
-            storage.clear()
+            for ref in holders:  # nothing recomputed stays behind
+                holder = ref()
+                if holder is not None and not holder.kept:
+                    holder.value = None
             raise RecomputeError(
                 f"recompute({function_name(self.function)}) is not deterministic: "
                 + "; ".join(problems)

@@ -40,6 +40,9 @@ def any_needs_grad(obj) -> bool:
     return any(not t.stop_gradient for t in iter_tensors(obj))
 
 
+_LOD_TENSOR = core.VarDesc.VarType.LOD_TENSOR
+
+
 def detached_view(t):
     """A tensor sharing ``t``'s buffer, with its ``stop_gradient`` and Python attributes."""
     view = t.detach()
@@ -50,15 +53,16 @@ def detached_view(t):
     return view
 
 
-def buffer_sharing_tensor(t):
+def buffer_sharing_tensor(t, t_spec=None):
     """A new tensor object with its own DenseTensor that shares ``t``'s allocation.
 
     Paddle 2.6's ``TensorWrapper::recover`` *moves* the memory holder out of
     whatever the unpack hook returns; handing it the parameter itself would
     leave the parameter without storage (wrong values, then a segfault).
+    ``t_spec``: ``spec(t)`` when the caller has it (two questions to Paddle fewer).
     """
-    out = core.eager.Tensor(t.dtype, t.shape, t.name + "@mgrad", core.VarDesc.VarType.LOD_TENSOR,
-                            t.persistable)
+    shape, dtype = (t.shape, t.dtype) if t_spec is None else (list(t_spec[0]), t_spec[1])
+    out = core.eager.Tensor(dtype, shape, t.name + "@mgrad", _LOD_TENSOR, t.persistable)
     t._share_buffer_to(out)
     out.stop_gradient = t.stop_gradient
     return out
