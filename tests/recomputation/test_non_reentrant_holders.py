@@ -1,0 +1,74 @@
+"""Where non-reentrant recompute keeps a recomputed activation: on its holder, until backward
+takes it.
+
+The recomputation stores a view of each recomputed tensor on the holder that stands for it in
+the graph; the unpack that hands it to backward takes it off again, so the activation is freed
+with its use, as Paddle's own recompute frees it, and not when the graph dies (with
+``retain_graph=True`` that is much later: every block's activations would pile up).  After a
+failed determinism check nothing recomputed stays behind either.  White-box: the frames are
+recorded as the recompute makes them.
+"""
+import paddle
+import pytest
+
+import paddle_mgrad
+from paddle_mgrad import RecomputeError
+from paddle_mgrad.recomputation import non_reentrant
+
+
+@pytest.fixture
+def frames(monkeypatch):
+    made = []
+    real = non_reentrant._Frame.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(non_reentrant._Frame, "__init__", init)
+    return made
+
+
+def _dropped(frame):
+    """The holders of the frame that stand for dropped (recomputed) activations."""
+    hs = [ref() for ref in frame.holders]
+    assert all(h is not None for h in hs)  # retain_graph keeps the graph, hence its holders
+    return [h for h in hs if not h.kept]
+
+
+def test_backward_takes_each_recomputed_view_off_its_holder(frames):
+    blk = paddle.nn.Sequential(paddle.nn.Linear(6, 6), paddle.nn.Tanh(), paddle.nn.Linear(6, 6))
+    x = paddle.randn([3, 6])
+    x.stop_gradient = False
+    ys = [paddle_mgrad.recompute(blk, x, use_reentrant=False) for _ in range(2)]
+    loss = (ys[0] * ys[1]).sum()
+    loss.backward(retain_graph=True)
+    assert len(frames) == 2
+    for frame in frames:
+        dropped = _dropped(frame)
+        assert dropped, "the block saved activations"
+        assert all(h.value is None for h in dropped)
+    g = x.grad.numpy().copy()
+    loss.backward()  # a second recomputation, the same gradients again
+    assert all(h.value is None for f in frames for h in _dropped(f))
+    assert abs(x.grad.numpy() - 2 * g).max() < 1e-5
+
+
+def test_a_failed_determinism_check_keeps_nothing_recomputed(frames):
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        h = paddle.tanh(x)
+        h = paddle.tanh(h) * paddle.tanh(h)
+        if len(calls) > 1:
+            h = paddle.tanh(paddle.concat([h, h]))[:4]  # the rerun saves another shape
+        return h.sum()
+
+    x = paddle.randn([4])
+    x.stop_gradient = False
+    y = paddle_mgrad.recompute(fn, x, use_reentrant=False)
+    with pytest.raises(RecomputeError):
+        y.backward(retain_graph=True)
+    (frame,) = frames
+    assert all(h.value is None for h in _dropped(frame))
