@@ -45,6 +45,7 @@ from paddle import _C_ops
 from . import _compat, ops, registry, stats
 from ._compat import paddle, tracer
 from .autograd import backward_errors, param_hooks, passes as autograd_passes
+from .autograd import recomputing as _recomputing
 from .errors import FusedLinearError
 from .registry import original
 
@@ -526,6 +527,8 @@ def _route(x, weight, bias, transpose_weight=False):
 # Paddle 2.6 and 3.x (a thread-local of paddle.base.framework); the eager Tensor class
 _global_var = _compat.global_var
 _Tensor = _compat.core.eager.Tensor
+# recomputing.pack()'s thread-local, read directly by :func:`fused_linear` (every call asks it)
+_recomputing_local = _recomputing._local
 
 
 # ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
@@ -537,7 +540,32 @@ def fused_linear(x, weight, bias=None, name=None):
     facts = _route(x, weight, bias)
     if facts is None:
         return original("linear")(x, weight, bias, name)
+    pack = getattr(_recomputing_local, "pack", None)  # recomputing.pack(), without its frame
+    if pack is not None:
+        return _recomputed_linear(x, weight, bias, pack)
     return FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
+
+
+def _recomputed_linear(x, weight, bias, pack):
+    """Our linear re-run by a non-reentrant recomputation (:mod:`.autograd.recomputing`),
+    without the ``PyLayer``.
+
+    The recomputed graph is never back-propagated (the forward's graph is: its node of our
+    linear unpacks the recomputed ``x``); all a recomputation needs are the tensors the block
+    saves, in the forward's order.  Our ``PyLayer`` saves one, ``x``, through
+    ``save_for_backward`` (its forward runs with grad off, so Paddle's linear inside saves
+    nothing).  So: Paddle's linear with grad off, ``x`` handed to the recomputation's pack hook,
+    and an output that needs a gradient, so that the rest of the block saves what it saved in
+    the forward."""
+    tr = _global_var._dygraph_tracer_
+    tr._has_grad = False
+    try:
+        y = _paddle_linear(x, weight, bias)
+    finally:
+        tr._has_grad = True  # (a recomputation runs with grad on: _route saw it)
+    pack(x)
+    y.stop_gradient = False
+    return y
 
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):

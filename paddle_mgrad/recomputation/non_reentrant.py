@@ -40,7 +40,7 @@ import weakref
 
 from .. import stats
 from .._compat import IS_PADDLE_2, is_parameter, paddle
-from ..autograd import backward_errors as _errors
+from ..autograd import backward_errors as _errors, recomputing as _recomputing
 from ..errors import RecomputeError
 from . import amp as _amp, rng as _rng, saved_hooks as _hooks
 from .tensors import (
@@ -171,7 +171,7 @@ class _Frame:
             raise RecomputeError("internal: a tensor saved during recomputation was unpacked")
 
         with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(True), \
-                _hooks.hooks(inner_pack, inner_unpack):
+                _hooks.hooks(inner_pack, inner_unpack), _recomputing.running(inner_pack):
             self.function(*self.args, **self.kwargs)
 
         if counter < len(specs) and check_shapes:
@@ -230,5 +230,5 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes"):
     _errors.install()
     with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py
         frame = _Frame(function, args, kwargs, preserve_rng_state, check)
-        with _hooks.hooks(frame.pack, frame.unpack):
+        with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None):
             return function(*args, **kwargs)
