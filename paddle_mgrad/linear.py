@@ -44,8 +44,12 @@ from paddle import _C_ops
 
 from . import _compat, ops, registry, stats
 from ._compat import paddle, tracer
-from .autograd import backward_errors, param_hooks, passes as autograd_passes
-from .autograd import recomputing as _recomputing
+from .autograd import (
+    backward_errors,
+    param_hooks,
+    passes as autograd_passes,
+    recomputing as _recomputing,
+)
 from .errors import FusedLinearError
 from .registry import original
 

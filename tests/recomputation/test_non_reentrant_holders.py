@@ -8,6 +8,7 @@ with its use, as Paddle's own recompute frees it, and not when the graph dies (w
 failed determinism check nothing recomputed stays behind either.  White-box: the frames are
 recorded as the recompute makes them.
 """
+import numpy as np
 import paddle
 import pytest
 
@@ -72,3 +73,53 @@ def test_a_failed_determinism_check_keeps_nothing_recomputed(frames):
         y.backward(retain_graph=True)
     (frame,) = frames
     assert all(h.value is None for h in _dropped(frame))
+
+
+@pytest.mark.parametrize("check", ["shapes", "values"])
+def test_a_recomputation_reruns_the_fused_linear_without_its_pylayer(check):
+    """Under non-reentrant recompute the fused linear's PyLayer runs in the forward only: the
+    recomputation (whose graph is never back-propagated) runs Paddle's linear and hands the
+    saved input to the pack hook itself.  Gradients as plain Paddle's, the determinism check
+    (shapes, or values) still passes."""
+    from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+    from paddle_mgrad import stats
+
+    paddle.seed(3)
+    blocks = [paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(),
+                                   paddle.nn.Linear(5, 5)) for _ in range(2)]
+    ref = [paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(),
+                                paddle.nn.Linear(5, 5)) for _ in range(2)]
+    for a, b in zip(blocks, ref):
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.set_value(p.numpy())
+    MixPrecisionLayer(paddle.nn.LayerList(blocks), dtype="bfloat16")
+    data = paddle.randn([3, 5]).numpy()
+
+    def run(layers, fused):
+        x = paddle.to_tensor(data)
+        x.stop_gradient = False
+        if fused:
+            paddle_mgrad.enable(recompute=True, fused_linear=True)
+        try:
+            h = x
+            for blk in layers:
+                h = paddle_mgrad.recompute(blk, h, use_reentrant=False,
+                                           determinism_check=check) if fused else blk(h)
+            before = dict(stats.linear)
+            (h * h).sum().backward()
+            return x, before
+        finally:
+            paddle_mgrad.disable()
+
+    forwards = stats.linear["forward"]
+    x_ref, _ = run(ref, False)
+    x, before = run(blocks, True)
+    assert before["forward"] - forwards == 4  # the forward's four linears, PyLayers
+    assert stats.linear["forward"] == before["forward"]  # none in the recomputations
+    assert stats.linear["backward"] - before["backward"] == 4
+    assert stats.recompute["recomputations"] >= 2
+    np.testing.assert_allclose(x.grad.numpy(), x_ref.grad.numpy(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(blocks, ref):
+        for p, q in zip(a.parameters(), b.parameters()):
+            np.testing.assert_allclose(p.main_grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6)
