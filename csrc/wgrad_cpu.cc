@@ -77,6 +77,8 @@ constexpr int64_t kWidenBudget = int64_t(64) << 20;
 constexpr int64_t kMinChunkRows = 256;
 constexpr int64_t kKB = 16;          // portable GEMM: rows of C per tile
 constexpr int64_t kNB = 512;         // portable GEMM / bias: columns per tile
+// bias sums of fewer elements of dY run on the calling thread (see bias_columns)
+constexpr int64_t kParallelBiasElems = int64_t(1) << 22;
 }  // namespace
 
 const char* dtype_name(DType t) {
@@ -325,7 +327,12 @@ void bias_columns(const WgradArgs& a, bool parallel, Finish finish) {
     }
     for (int64_t n = 0; n < nl; ++n) finish(n0 + n, acc[n]);
   };
-  if (!parallel) {
+  // Threads only for several tiles of a large dY: a region with one tile (N <= 512, most
+  // layers' bias) still starts a team of OMP_NUM_THREADS and waits at its barrier for every
+  // member, and on a CPU wheel the members compete for cores with MKL's own OpenMP threads,
+  // which spin for 200 ms after each of Paddle's matmuls: measured 70-400 us per call for
+  // 512x64..512x259 (2 cores, Intel Xeon) where the sum itself takes a few microseconds.
+  if (!parallel || nt < 2 || M * N < kParallelBiasElems) {
     for (int64_t ni = 0; ni < nt; ++ni) block(ni);
     return;
   }

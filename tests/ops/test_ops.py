@@ -151,6 +151,25 @@ def _matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias, mult
         assert out_b is db and out_b.data_ptr() == b_ptr
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_bias_sums_of_a_large_dout_on_threads(dtype):
+    """A dY of several 512-column tiles and at least 2^22 elements sums its columns on OpenMP
+    threads (smaller ones on the calling thread: a region waits for MKL's spinning threads,
+    issue 23); both against float64."""
+    rs = np.random.RandomState(5)
+    M, N = 4100, 1030  # 3 tiles, 4.2M elements: the threaded branch
+    x = _t(rs.standard_normal([M, 3]), dtype)
+    dy = _t(rs.standard_normal([M, N]), dtype)
+    db = _t(rs.standard_normal([N]), _mp(dtype))
+    b0 = _as64(db)
+    _, out_b = ops.fused_linear_param_grad_add(x, dy, None, db, True, True)
+    y2 = _as64(dy)
+    _check_close(out_b, b0 + y2.sum(0), np.abs(b0) + np.abs(y2).sum(0), _name(out_b.dtype))
+    small = dy[:600, :600]  # one tile: the calling thread
+    _, sb = ops.fused_linear_param_grad_add(x[:600], small, None, None, True, True)
+    _check_close(sb, _as64(small).sum(0), np.abs(_as64(small)).sum(0), _name(sb.dtype))
+
+
 def test_accumulates_over_calls_in_place():
     x = paddle.randn([64, 48])
     dy = paddle.randn([64, 32])
