@@ -293,6 +293,19 @@ def _spy_backward_fast(monkeypatch):
     return taken
 
 
+def _squares_step(layer, data, fused, x_grad):
+    """One backward of sum(layer(x)^2) for x = data, fused linear on or off; returns x."""
+    x = paddle.to_tensor(data)
+    x.stop_gradient = not x_grad
+    if fused:
+        paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        (layer(x) ** 2).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    return x
+
+
 def _layer_pair(bias, mixprec, rs):
     paddle.seed(int(rs.randint(1 << 30)))
     ours = paddle.nn.Linear(5, 3, bias_attr=None if bias else False)
@@ -356,15 +369,7 @@ def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
     for _ in range(steps):
         data = rs.standard_normal([2, 4, 5]).astype("float32")
         for layer, fused, keep in ((ref, False, xs_ref), (ours, True, xs_ours)):
-            x = paddle.to_tensor(data)
-            x.stop_gradient = not x_grad
-            if fused:
-                paddle_mgrad.enable(recompute=False, fused_linear=True)
-            try:
-                (layer(x) ** 2).sum().backward()
-            finally:
-                paddle_mgrad.disable()
-            keep.append(x)
+            keep.append(_squares_step(layer, data, fused, x_grad))
     needy = [p for p in ours.parameters() if not p.stop_gradient]
     strided_mg = any(getattr(p, "main_grad", None) is not None
                      and not p.main_grad.is_contiguous() for p in needy)
@@ -417,17 +422,7 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
             for p in layer.parameters():
                 p.main_grad = None
     data = rs.standard_normal([3, 5]).astype(dtype)
-    xs = []
-    for layer, fused in ((ref, False), (ours, True)):
-        x = paddle.to_tensor(data)
-        x.stop_gradient = not x_grad
-        if fused:
-            paddle_mgrad.enable(recompute=False, fused_linear=True)
-        try:
-            (layer(x) ** 2).sum().backward()
-        finally:
-            paddle_mgrad.disable()
-        xs.append(x)
+    xs = [_squares_step(layer, data, fused, x_grad) for layer, fused in ((ref, False), (ours, True))]
     assert calls == [op]
     for p, q in zip(ours.parameters(), ref.parameters()):
         np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5)
