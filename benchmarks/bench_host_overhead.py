@@ -118,6 +118,16 @@ def run_cell(blocks, x0, row, rmode, steps):
     return times
 
 
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo), "?" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "?"
+
+
 def percentile(samples, q):
     s = sorted(samples)
     return s[min(len(s) - 1, int(len(s) * q))]
@@ -159,13 +169,7 @@ def main():
     p10 = {c: percentile(v, 0.1) for c, v in samples.items()}
     p50 = {c: percentile(v, 0.5) for c, v in samples.items()}
 
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"paddle {paddle.__version__}, {cpu}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+    print(f"paddle {paddle.__version__}, {cpu_name()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
           f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, {args.rows} rows, "
           f"MixPrecisionLayer fp32 main_grad; process CPU time per fwd+bwd step, 10th "
           f"percentile [median] of {args.rounds} rounds x {args.steps} steps; fused path "
