@@ -531,8 +531,8 @@ def _route(x, weight, bias, transpose_weight=False):
 # Paddle 2.6 and 3.x (a thread-local of paddle.base.framework); the eager Tensor class
 _global_var = _compat.global_var
 _Tensor = _compat.core.eager.Tensor
-# recomputing.pack()'s thread-local, read directly by :func:`fused_linear` (every call asks it)
-_recomputing_local = _recomputing._local
+# where :func:`fused_linear` learns that a recomputation re-runs it (``.pack``)
+_recomputing_state = _recomputing.state
 
 
 # ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
@@ -544,7 +544,7 @@ def fused_linear(x, weight, bias=None, name=None):
     facts = _route(x, weight, bias)
     if facts is None:
         return original("linear")(x, weight, bias, name)
-    pack = getattr(_recomputing_local, "pack", None)  # recomputing.pack(), without its frame
+    pack = getattr(_recomputing_state, "pack", None)
     if pack is not None:
         return _recomputed_linear(x, weight, bias, pack)
     return FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)

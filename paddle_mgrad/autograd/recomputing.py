@@ -16,24 +16,21 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["pack", "running"]
+__all__ = ["state", "running"]
 
-_local = threading.local()
-
-
-def pack():
-    """The pack hook of the recomputation this thread runs right now, or None."""
-    return _local.__dict__.get("pack")
+#: ``state.pack``: the pack hook of the recomputation this thread runs right now; absent or None
+#: when there is none.  Read as ``getattr(state, "pack", None)`` -- by our fused linear on every
+#: call, hence an attribute and not a function.
+state = threading.local()
 
 
 @contextlib.contextmanager
 def running(pack_hook):
     """Run the body with ``pack_hook`` (a recomputation's, or None: a forward) as this
-    thread's answer to :func:`pack`."""
-    d = _local.__dict__
-    prev = d.get("pack")
-    d["pack"] = pack_hook
+    thread's ``state.pack``."""
+    prev = getattr(state, "pack", None)
+    state.pack = pack_hook
     try:
         yield
     finally:
-        d["pack"] = prev
+        state.pack = prev
