@@ -22,7 +22,6 @@ round by round; each figure is the 10th percentile [median] of per-step process 
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,11 +89,7 @@ def stand_ins(run):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--rows", type=int, default=8)
+    host.add_arguments(ap, rounds=10)
     args = ap.parse_args()
     blocks, _model, x0 = host.build(args)
     host.run_cell(blocks, x0, "fused", "none", 2)  # builds/loads the op, allocates main_grad
@@ -117,11 +112,8 @@ def main():
                     functional.linear = (lambda x, weight, bias=None, name=None, c=cls:
                                          c.apply(x, weight, bias))
                 try:
-                    step()
-                    for _ in range(args.steps):
-                        t0 = time.process_time()
-                        step()
-                        samples[r].append(time.process_time() - t0)
+                    step()  # warm
+                    samples[r] += host.time_steps(step, args.steps)
                 finally:
                     functional.linear = linear
     finally:

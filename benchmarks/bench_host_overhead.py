@@ -99,17 +99,23 @@ def make_step(blocks, x0, rmode):
     return step
 
 
-def run_cell(blocks, x0, row, rmode, steps):
-    switch(row)
-    step = make_step(blocks, x0, rmode)
-    step()  # warm: first micro-step allocations, lazy installs
-    before = stats.snapshot()["linear"]["into_main_grad"]
+def time_steps(step, steps):
+    """Process CPU time of each of ``steps`` calls of ``step`` (warmed by the caller)."""
     clock = time.process_time
     times = []
     for _ in range(steps):
         t0 = clock()
         step()
         times.append(clock() - t0)
+    return times
+
+
+def run_cell(blocks, x0, row, rmode, steps):
+    switch(row)
+    step = make_step(blocks, x0, rmode)
+    step()  # warm: first micro-step allocations, lazy installs
+    before = stats.snapshot()["linear"]["into_main_grad"]
+    times = time_steps(step, steps)
     got = stats.snapshot()["linear"]["into_main_grad"] - before
     want = 2 * len(blocks) * steps if row == "fused" else 0
     if got != want:
@@ -133,13 +139,18 @@ def percentile(samples, q):
     return s[min(len(s) - 1, int(len(s) * q))]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=15)
+def add_arguments(ap, rounds):
+    """The rounds and steps to time and the model of :func:`build` (also bench_host_floor's)."""
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--rows", type=int, default=8)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_arguments(ap, rounds=15)
     ap.add_argument("--profile", default=None, help="ROW:RECOMPUTE, e.g. fused:none")
     args = ap.parse_args()
     blocks, model, x0 = build(args)
