@@ -85,11 +85,12 @@ def test_a_recomputation_reruns_the_fused_linear_without_its_pylayer(check):
 
     from paddle_mgrad import stats
 
+    def two_blocks():
+        return [paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(),
+                                     paddle.nn.Linear(5, 5)) for _ in range(2)]
+
     paddle.seed(3)
-    blocks = [paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(),
-                                   paddle.nn.Linear(5, 5)) for _ in range(2)]
-    ref = [paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(),
-                                paddle.nn.Linear(5, 5)) for _ in range(2)]
+    blocks, ref = two_blocks(), two_blocks()
     for a, b in zip(blocks, ref):
         for p, q in zip(a.parameters(), b.parameters()):
             q.set_value(p.numpy())
