@@ -1,5 +1,6 @@
-// Paddle binding of the fused weight-gradient op (and of pmg_fused_linear_bwd, the same op with
-// the input gradient of a float32/float64 CPU linear, further down):
+// Paddle binding of the fused weight-gradient op, and the kernel of a float32/float64 CPU
+// linear's whole backward (FusedLinearBwd, further down; reached through the op library's Python
+// fast entry, wgrad_pyentry.cc, as is FusedWgrad):
 //
 //   pmg_fused_wgrad_add(x, dout, dweight?, dbias?, multi_precision, has_bias)
 //     -> (dweight_out, dbias_out)
@@ -35,6 +36,7 @@
 #endif
 #include "paddle/extension.h"
 #include "wgrad_core.h"
+#include "wgrad_op.h"
 #include "wgrad_gpu_plan.h"
 
 #ifdef PMG_WITH_CUDA
@@ -239,6 +241,10 @@ struct PaddleGpuHost {
 };
 #endif  // PMG_WITH_CUDA
 
+}  // namespace
+
+namespace pmg_bind {
+
 std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Tensor& dout,
                                        const paddle::optional<paddle::Tensor>& dweight,
                                        const paddle::optional<paddle::Tensor>& dbias,
@@ -305,6 +311,12 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
   return {dw_out, db_out};
 }
 
+}  // namespace pmg_bind
+
+namespace {
+
+using pmg_bind::FusedWgrad;
+
 std::vector<std::vector<int64_t>> FusedWgradInferShape(
     const std::vector<int64_t>& x_shape, const std::vector<int64_t>& dout_shape,
     const paddle::optional<std::vector<int64_t>>& dweight_shape,
@@ -323,12 +335,15 @@ std::vector<paddle::DataType> FusedWgradInferDtype(
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }
 
-// The whole ordinary backward of y = x . W (+ b) for float32 / float64 CPU tensors in one op
-// call (issue 23: in a model's step each dispatch into Paddle from Python costs the host
-// ~10 us, as much as a small layer's GEMMs):
+}  // namespace
+
+namespace pmg_bind {
+
+// The whole ordinary backward of y = x . W (+ b) for float32 / float64 CPU tensors in one call
+// (issue 23: in a model's step each dispatch into Paddle from Python costs the host ~10 us, as
+// much as a small layer's GEMMs), the fast entry's linear_bwd (wgrad_pyentry.cc):
 //
-//   pmg_fused_linear_bwd(x, dout, weight, dweight?, dbias?, has_bias) -> (dx, dweight_out,
-//                                                                          dbias_out)
+//   FusedLinearBwd(x, dout, weight, dweight?, dbias?, has_bias) -> {dx, dweight_out, dbias_out}
 //
 // dx = dout . W^T by Paddle's own matmul kernel (its C++ API: the same kernel, hence the same
 // dx, as the Python matmul it replaces, and on Paddle's own BLAS threads -- MKL's OpenMP runtime
@@ -345,41 +360,27 @@ std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle
                                            const paddle::optional<paddle::Tensor>& dbias,
                                            bool has_bias) {
   PD_CHECK(x.is_cpu() && dout.is_cpu() && weight.is_cpu(),
-           "pmg_fused_linear_bwd: x, dout and weight must be CPU tensors");
+           "linear_bwd: x, dout and weight must be CPU tensors");
   PD_CHECK((x.dtype() == paddle::DataType::FLOAT32 || x.dtype() == paddle::DataType::FLOAT64) &&
                dout.dtype() == x.dtype() && weight.dtype() == x.dtype(),
-           "pmg_fused_linear_bwd: x, dout and weight must be float32 (or all float64)");
+           "linear_bwd: x, dout and weight must be float32 (or all float64)");
   const auto xs = x.shape(), ys = dout.shape(), ws = weight.shape();
   PD_CHECK(!xs.empty() && !ys.empty() && ws.size() == 2 && ws[0] == xs.back() &&
                ws[1] == ys.back(),
-           "pmg_fused_linear_bwd: weight ", shape_str(ws), " must be [K, N] for x ",
+           "linear_bwd: weight ", shape_str(ws), " must be [K, N] for x ",
            shape_str(xs), " and dout ", shape_str(ys));
-  // Paddle 2.6 refuses a zero-size custom-op output ("not initialized") after the kernel ran,
-  // that is after the accumulation: refuse a zero-size product here, before writing (the
-  // caller's checked path handles M, K or N = 0).
-  PD_CHECK(leading(xs) > 0 && ws[0] > 0 && ws[1] > 0, "pmg_fused_linear_bwd: x ", shape_str(xs),
+  // A zero-size product (M, K or N = 0) is the checked path's (it handles every case of it):
+  // refused here, before writing.
+  PD_CHECK(leading(xs) > 0 && ws[0] > 0 && ws[1] > 0, "linear_bwd: x ", shape_str(xs),
            " and weight ", shape_str(ws), ": a zero-size product (M, K or N = 0)");
   paddle::Tensor dx = paddle::experimental::matmul(dout, weight, false, true);
   std::vector<paddle::Tensor> grads = FusedWgrad(x, dout, dweight, dbias, true, has_bias);
   return {dx, grads[0], grads[1]};
 }
 
-std::vector<std::vector<int64_t>> FusedLinearBwdInferShape(
-    const std::vector<int64_t>& x_shape, const std::vector<int64_t>& dout_shape,
-    const std::vector<int64_t>& weight_shape,
-    const paddle::optional<std::vector<int64_t>>& dweight_shape,
-    const paddle::optional<std::vector<int64_t>>& dbias_shape, bool has_bias) {
-  const int64_t K = x_shape.back(), N = dout_shape.back();
-  return {x_shape, {K, N}, {has_bias ? N : 1}};
-}
+}  // namespace pmg_bind
 
-std::vector<paddle::DataType> FusedLinearBwdInferDtype(
-    const paddle::DataType& x_dtype, const paddle::DataType& dout_dtype,
-    const paddle::DataType& weight_dtype, const paddle::optional<paddle::DataType>& dweight_dtype,
-    const paddle::optional<paddle::DataType>& dbias_dtype, bool has_bias) {
-  const auto acc = acc_dtype(x_dtype, true);
-  return {x_dtype, dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
-}
+namespace {
 
 // A tiny op that reports what runs, as int32[5]:
 //   [0] CPU GEMM compiled in (1 = oneDNN, 0 = portable), [1] CUDA compiled in,
@@ -417,17 +418,9 @@ PD_BUILD_OP(pmg_fused_wgrad_add)
     .Inputs({"X", "DOut", paddle::Optional("DWeight"), paddle::Optional("DBias")})
     .Outputs({"DWeightOut", "DBiasOut"})
     .Attrs({"multi_precision: bool", "has_bias: bool"})
-    .SetKernelFn(PD_KERNEL(FusedWgrad))
+    .SetKernelFn(PD_KERNEL(pmg_bind::FusedWgrad))
     .SetInferShapeFn(PD_INFER_SHAPE(FusedWgradInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(FusedWgradInferDtype));
-
-PD_BUILD_OP(pmg_fused_linear_bwd)
-    .Inputs({"X", "DOut", "Weight", paddle::Optional("DWeight"), paddle::Optional("DBias")})
-    .Outputs({"DX", "DWeightOut", "DBiasOut"})
-    .Attrs({"has_bias: bool"})
-    .SetKernelFn(PD_KERNEL(FusedLinearBwd))
-    .SetInferShapeFn(PD_INFER_SHAPE(FusedLinearBwdInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(FusedLinearBwdInferDtype));
 
 PD_BUILD_OP(pmg_backend_info)
     .Inputs({"Any"})

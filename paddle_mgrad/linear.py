@@ -245,13 +245,15 @@ def _backward_fast(ctx, x, dy, weight, bias):
     ``bias`` (or None) plain dense CPU tensors of one dtype, K, N > 0.  Here: grad mode off (no
     ``create_graph``), ``dy`` of that dtype (no autocast), weight and bias needing a gradient,
     each with a ``main_grad`` attribute and no user gradient hook, ``main_grad`` contiguous
-    or None.  Then the op runs straight into ``main_grad`` (or allocates it: first
+    or None.  Then the op's kernel runs straight into ``main_grad`` (or allocates it: first
     micro-step) and checks the rest itself before writing anything: the accumulator dtypes
     (``main_grad`` must be the master-gradient dtype), shapes and places.  For float32 and
-    float64 the same op call also computes ``dx`` (``pmg_fused_linear_bwd``, with Paddle's
-    own matmul kernel): a linear's whole backward is one dispatch into Paddle.
+    float64 the same call also computes ``dx`` (``pmg_fused_linear_bwd``'s kernel, with
+    Paddle's own matmul kernel).  The call goes through the op library's fast entry
+    (:func:`paddle_mgrad.ops.cpu_entry`), not Paddle's custom-op dispatch: a linear's whole
+    backward is one call from Python.
 
-    Returns the backward's result, or None for any other case, and when the op refuses the
+    Returns the backward's result, or None for any other case, and when the kernel refuses the
     call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
     every check in Python and raises the usual error."""
     x_name, _ = ctx.facts
@@ -265,33 +267,29 @@ def _backward_fast(ctx, x, dy, weight, bias):
     if "main_grad" not in wd or (hooked and param_hooks.has_user_hooks(weight)):
         return None
     w_acc = wd["main_grad"]
-    if w_acc is not None and not w_acc.is_contiguous():
-        return None
     if bias is not None:
         bd = getattr(bias, "__dict__", _NO_ATTRS)
         if (bias.stop_gradient or "main_grad" not in bd
                 or (hooked and param_hooks.has_user_hooks(bias))):
             return None
         b_acc = bd["main_grad"]
-        if b_acc is not None and not b_acc.is_contiguous():
-            return None
     else:
         b_acc = None
-    run = ops.cpu_runner(x_name)
-    if run is None:
+    entry = ops.cpu_entry(x_name)
+    if entry is None:
         return None
-    # (x and dy may be strided: Paddle hands a custom op contiguous copies of its inputs, on
-    # 2.6 and 3.x; only an accumulator, written in place, must be contiguous itself)
-    try:
-        if ctx.x_needs_grad and x_name in _ONE_CALL_DTYPES:
-            # dx too, in the same call: one dispatch into Paddle instead of two
-            dx, dw, db = run("pmg_fused_linear_bwd", x, dy, weight, w_acc, b_acc,
-                             bias is not None)
-        else:
-            dw, db = run("pmg_fused_wgrad_add", x, dy, w_acc, b_acc, True, bias is not None)
-            dx = None
-    except Exception:  # noqa: BLE001 -- refused before writing: the general path raises
+    # One call into the op library's fast entry, without Paddle's custom-op dispatch (that
+    # costs the host more than the kernels at small shapes).  None: a tensor the entry does not
+    # take -- x or dy strided (the checked path copies them), an accumulator strided (written
+    # through by the checked path) -- or refused by the kernel before it wrote anything.
+    if ctx.x_needs_grad and x_name in _ONE_CALL_DTYPES:
+        # dx too, in the same call, by Paddle's own matmul kernel
+        done = entry.linear_bwd(x, dy, weight, w_acc, b_acc, bias is not None)
+    else:
+        done = entry.wgrad_add(x, dy, w_acc, b_acc, True, bias is not None)
+    if done is None:
         return None
+    dx, dw, db = done
     if dx is None and ctx.x_needs_grad:
         dx = _C_ops.matmul(dy, weight, False, True)
     fused = stats.fused_params
@@ -494,12 +492,31 @@ def _route(x, weight, bias, transpose_weight=False):
     the shapes.  "On the CPU" is true only with K, N > 0 (the common case of
     :func:`_backward_fast`; a zero-size product takes the general backward).
     """
-    # cheapest first; each dtype, shape and place is asked once: every question is a call into
-    # Paddle, and in a model's step (Paddle's code and ours competing for the CPU's caches) each
-    # costs about a microsecond, several times its cost in a loop of its own
     tr = _global_var._dygraph_tracer_  # paddle.in_dynamic_mode(): not None
     if tr is None or not tr._has_grad:
         return None
+    # Every question to Paddle is a call into it, and in a model's step (Paddle's code and ours
+    # competing for the CPU's caches) each costs about a microsecond, several times its cost in
+    # a loop of its own: once the op library is loaded, its fast entry answers the meta
+    # questions below in one call (csrc/wgrad_pyentry.cc: the same checks in the same order).
+    fast = ops.fast_route
+    if fast is not None:
+        facts = fast(x, weight, bias, transpose_weight)
+        if facts is None:
+            return None
+        if facts is not False and facts is not NotImplemented:
+            if weight.stop_gradient and (bias is None or bias.stop_gradient):
+                return None  # nothing to accumulate
+            return facts
+        # False (x does not match the weight: the error below names the shapes) or
+        # NotImplemented (a meta Paddle would not give, say of an uninitialized tensor)
+    return _route_meta(x, weight, bias, transpose_weight)
+
+
+def _route_meta(x, weight, bias, transpose_weight):
+    """:func:`_route` after grad mode, asking Paddle question by question (before the op
+    library is loaded, and where its fast entry leaves the answer to Python)."""
+    # cheapest first; each dtype, shape and place is asked once
     if not (isinstance(x, _Tensor) and isinstance(weight, _Tensor) and x.is_dense()
             and weight.is_dense()):
         return None

@@ -389,31 +389,45 @@ def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
 
 
 @pytest.mark.parametrize("dtype,x_grad,op", [
-    ("float32", True, "pmg_fused_linear_bwd"),   # dx in the same call
-    ("float32", False, "pmg_fused_wgrad_add"),   # no dx wanted
-    ("float64", True, "pmg_fused_linear_bwd"),
-    ("float64", False, "pmg_fused_wgrad_add"),
+    ("float32", True, "linear_bwd"),   # dx in the same call
+    ("float32", False, "wgrad_add"),   # no dx wanted
+    ("float64", True, "linear_bwd"),
+    ("float64", False, "wgrad_add"),
 ])
 def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
-    """A float32/float64 linear's common-case backward is ONE dispatch into Paddle: our op
-    computes dx too (``pmg_fused_linear_bwd``, Paddle's matmul kernel inside); without an
-    input gradient, the weight-gradient op.  Gradients equal plain Paddle's either way (dx
-    bit for bit: the same matmul kernel)."""
+    """A float32/float64 linear's common-case backward is ONE call from Python, into the op
+    library's fast entry: dx too (``linear_bwd``, Paddle's matmul kernel inside); without an
+    input gradient, the weight-gradient kernel.  No custom-op dispatch.  Gradients equal plain
+    Paddle's either way (dx bit for bit: the same matmul kernel)."""
     if ops.load() is None:
         pytest.skip("C++ op not built")
-    real = ops.cpu_runner
+    real = ops.cpu_entry
     calls = []
 
-    def runner(x_name):
-        run = real(x_name)
+    class Spy:
+        def __init__(self, entry):
+            self.entry = entry
 
-        def spy(name, *args):
-            calls.append(name)
-            return run(name, *args)
+        def __getattr__(self, name):
+            fn = getattr(self.entry, name)
 
-        return None if run is None else spy
+            def spy(*args):
+                out = fn(*args)
+                calls.append((name, out is not None))
+                return out
 
-    monkeypatch.setattr(ops, "cpu_runner", runner)
+            return spy
+
+    def entry(x_name):
+        e = real(x_name)
+        return None if e is None else Spy(e)
+
+    def no_runner(*args, **kwargs):
+        raise AssertionError("the custom-op dispatch ran")
+
+    monkeypatch.setattr(ops, "cpu_entry", entry)
+    monkeypatch.setitem(ops._RAW, "run", no_runner)
+    monkeypatch.setitem(ops._RAW, "for", ops._state["module"])
     rs = np.random.RandomState(1)
     ours, ref = _layer_pair(True, True, rs)
     if dtype == "float64":
@@ -423,7 +437,7 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
                 p.main_grad = None
     data = rs.standard_normal([3, 5]).astype(dtype)
     xs = [_squares_step(layer, data, fused, x_grad) for layer, fused in ((ref, False), (ours, True))]
-    assert calls == [op]
+    assert calls == [(op, True)]
     for p, q in zip(ours.parameters(), ref.parameters()):
         np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5)
     if x_grad:

@@ -50,7 +50,10 @@ __all__ = ["fused_linear_param_grad_add", "backend", "backends", "describe", "cp
 
 _lock = threading.Lock()
 _state = {"module": None, "backend": None, "why": None, "cpu": None, "gpu": None,
-          "cuda_why": None}
+          "cuda_why": None, "fast": None}
+#: the op library's ``route`` (``csrc/wgrad_pyentry.cc``: linear._route's answer from the
+#: tensors' meta in one call) once the library is loaded with its fast entry, else None
+fast_route = None
 _GEMM_NAMES = {"cpp-onednn": "C++ op, oneDNN GEMM", "cpp-portable": "C++ op, OpenMP GEMM",
                "python": "pure-Paddle fallback", "cuda": "paddle_mgrad CUDA op (cuBLASLt)",
                "paddle-fused": "Paddle's _C_ops.fused_linear_param_grad_add"}
@@ -120,9 +123,17 @@ def load():
                     f"paddle_mgrad: CUDA part of the fused weight-gradient op not built ({cuda_why}); "
                     f"CPU tensors use the C++ op ({cpu}), GPU tensors use "
                     f"{_GEMM_NAMES[gpu]}", RuntimeWarning, stacklevel=3)
+        _set_fast(getattr(module, "__pmg_fast__", None))
         _state.update(module=module, cpu=cpu, gpu=gpu, cuda_why=cuda_why,
                       backend=_compose(cpu, gpu))
         return _state["module"]
+
+
+def _set_fast(fast):
+    """Install the op library's fast entry (or None): :data:`fast_route` and :func:`cpu_entry`."""
+    global fast_route
+    _state["fast"] = fast
+    fast_route = None if fast is None else fast.route
 
 
 def backend() -> str:
@@ -360,19 +371,40 @@ def cpu_runner(x_name):
     itself before it writes anything, and a caller whose call it refuses takes the checked
     path, which raises the usual error."""
     module = _state["module"]
-    if (module is None or _inputs.place is not _PLACE_SEAM or _tier_for is not _TIER_SEAM
-            or _is_gpu is not _GPU_SEAM):
+    if module is None or not _cpu_ready(x_name):
         return None
+    if _RAW["for"] is not module:
+        _RAW.update(run=_raw_runner(), **{"for": module})
+    return _RAW["run"]
+
+
+def cpu_entry(x_name):
+    """The op library's fast entry (``csrc/wgrad_pyentry.cc``: ``linear_bwd``, ``wgrad_add``,
+    the op's kernels without Paddle's custom-op dispatch) for a CPU call whose inputs are
+    ``x_name`` tensors, or None when :func:`cpu_runner` would be None or the library has no
+    fast entry.  The caller vouches for the same common case as :func:`cpu_runner`'s; the
+    entry itself returns None for a tensor that is not dense and contiguous, and when the
+    kernel refuses the call (before writing anything)."""
+    fast = _state["fast"]
+    if fast is None or not _cpu_ready(x_name):
+        return None
+    return fast
+
+
+def _cpu_ready(x_name) -> bool:
+    """No test seam replaced (the faked devices live there), and every environment knob the
+    CPU op reads for ``x_name`` inputs valid (the checked path raises its EnvError after the
+    input checks)."""
+    if _inputs.place is not _PLACE_SEAM or _tier_for is not _TIER_SEAM or _is_gpu is not _GPU_SEAM:
+        return False
     knobs = _CPU_KNOBS.get(x_name)
     if knobs:
         try:
             for name in knobs:
                 env_get(name)
         except Exception:  # noqa: BLE001 -- the slow path raises it after the input checks
-            return None
-    if _RAW["for"] is not module:
-        _RAW.update(run=_raw_runner(), **{"for": module})
-    return _RAW["run"]
+            return False
+    return True
 
 
 def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=None):
@@ -409,6 +441,13 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
         x = _contiguous(x)
     if not dout.is_contiguous():
         dout = _contiguous(dout)
+    fast = _state["fast"]
+    done = None if fast is None else fast.wgrad_add(x, dout, dweight, dbias, multi_precision,
+                                                    has_bias)
+    if done is not None:  # (None: refused before writing; the op's call below raises)
+        _, dw, db = done
+        return (dweight if dweight is not None else dw,
+                None if not has_bias else (dbias if dbias is not None else db))
     try:
         if _tracer()._has_grad:
             with paddle.no_grad():

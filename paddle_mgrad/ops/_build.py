@@ -231,7 +231,25 @@ def _import_library(fd, path, key):
     op_names = eu.load_op_meta_info_and_register_op(via)
     module = eu._generate_python_module(name, op_names, _private_api_dir(), False)
     module.__pmg_library__ = path
+    module.__pmg_fast__ = _fast_entry(via)
     return module
+
+
+def _fast_entry(via):
+    """The library's Python fast entry (``csrc/wgrad_pyentry.cc``: ``route``, ``linear_bwd``),
+    or None when this Paddle lacks an accessor it needs.  ``via`` names the file Paddle just
+    loaded: ``dlopen`` finds the same loaded object again."""
+    import ctypes
+
+    try:
+        make = ctypes.PyDLL(via).pmg_fast_module
+        make.restype = ctypes.py_object
+        make.argtypes = []
+        return make()
+    except Exception as e:  # the op works without it (custom-op dispatch): say why, go on
+        log.warning("paddle_mgrad: the op library's fast entry is unavailable (%s: %s)",
+                    type(e).__name__, e)
+        return None
 
 
 def _load_verified(root, key, trusted):

@@ -46,11 +46,11 @@ import sys
 # framework-free CPU core + the GPU path's decisions (no CUDA in them: CPU tests reach them)
 CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_cpu_env.cc", "wgrad_bf16_scan.cc", "wgrad_dgemm.cc",
                 "wgrad_gpu_plan.cc"]
-PADDLE_SOURCES = ["wgrad_op.cc"]                # the Paddle binding (PD_BUILD_OP)
+PADDLE_SOURCES = ["wgrad_op.cc", "wgrad_pyentry.cc"]  # the Paddle binding (PD_BUILD_OP), its fast entry
 CAPI_SOURCES = ["wgrad_capi.cc"]                # C ABI for ctypes (benchmarks, no-GPU checks)
 CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) + bias reduction
 HEADERS = ["wgrad_core.h", "wgrad_cpu_env.h", "wgrad_cpu_dtype.h", "wgrad_dgemm.h", "wgrad_cuda.h",
-           "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h"]
+           "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h", "wgrad_op.h"]
 
 # -g0: no debug information.  Python's sysconfig puts -g into every extension's compile line; for
 # this op it was a third of the compile time (Paddle's headers are large) and most of the library's

@@ -281,14 +281,15 @@ CHECK = """
         fw, _ = ops.fused_linear_param_grad_add(
             paddle.concat([x, x]), paddle.concat([dy, dy]), None, None, True, False)
         np.testing.assert_allclose(fw.numpy(), 2 * x2.T @ y2, rtol=1e-4, atol=1e-3)
-    run = ops.cpu_runner("float32")
-    if run is not None:  # the C++ op: its one-call linear backward, dx included
+    entry = ops.cpu_entry("float32")
+    assert (entry is not None) == ops.backend().startswith("cpp-")
+    if entry is not None:  # the C++ op's fast entry: the one-call linear backward, dx included
         for shape in ([3, 70, 37], [5, 37]):  # a product above and below the 1-thread bound
             x = paddle.to_tensor(rs.standard_normal(shape).astype("f4"))
             dy = paddle.to_tensor(rs.standard_normal(shape[:-1] + [53]).astype("f4"))
             w = paddle.to_tensor(rs.standard_normal([37, 53]).astype("f4"))
             mg = paddle.ones([37, 53])
-            dx, dw, _ = run("pmg_fused_linear_bwd", x, dy, w, mg, None, False)
+            dx, dw, _ = entry.linear_bwd(x, dy, w, mg, None, False)
             x2 = x.numpy().reshape(-1, 37).astype("f8"); y2 = dy.numpy().reshape(-1, 53)
             np.testing.assert_allclose(dx.numpy().reshape(-1, 37), y2 @ w.numpy().T.astype("f8"),
                                        rtol=1e-4, atol=1e-4)

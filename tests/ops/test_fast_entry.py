@@ -1,0 +1,402 @@
+"""The op library's Python fast entry (``csrc/wgrad_pyentry.cc``, :func:`paddle_mgrad.ops.cpu_entry`,
+``ops.fast_route``): the op's kernels and the linear's routing questions without Paddle's
+custom-op dispatch (issue 23).
+
+* ``linear_bwd`` -- a float32/float64 CPU linear's whole backward: dx = dout . W^T (Paddle's
+  matmul kernel: equal to ``paddle.matmul`` bit for bit) and the weight/bias gradients
+  accumulated as ``pmg_fused_wgrad_add`` with multi_precision does; ``wgrad_add`` -- that op's
+  kernel, every dtype.  Against a float64 numpy reference over shapes hypothesis draws (3-D
+  inputs, given or missing accumulators).  A call the entry does not take (strided tensors,
+  non-tensors) or the kernel refuses (M = 0 / N = 0, every bad shape or dtype) returns None
+  and writes nothing.
+* ``route`` -- the same answer as ``linear._route`` asking Paddle question by question, over
+  inputs hypothesis draws (tensors, parameters, numpy, tuples, ranks 0-3, zero sizes, dtypes,
+  strided views, frozen parameters, a transposed weight).  Places other than the CPU cannot be
+  drawn on these machines (no GPU): the place comparison is covered by the fakes of test_ops.
+* Garbage arguments in a subprocess: exceptions, never a signal.  Threads: the GIL is released
+  while a kernel runs; concurrent calls stay exact.
+"""
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import paddle
+import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from paddle_mgrad import linear as L, ops
+
+
+@pytest.fixture(scope="module")
+def entry():
+    if ops.load() is None:
+        pytest.skip("C++ op not built")
+    e = ops.cpu_entry("float32")
+    assert e is not None and ops.fast_route is e.route
+    return e
+
+
+def _f32(a):
+    return paddle.to_tensor(np.ascontiguousarray(a, dtype="float32"))
+
+
+def _strided(a):
+    """A non-contiguous view holding ``a`` (every other column of a wider buffer)."""
+    wide = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), "float32")
+    wide[..., ::2] = a
+    return _f32(wide)[..., ::2]
+
+
+def _untouched(accs, call):
+    """``call()`` returns None and leaves ``accs`` (tensors or None) as they were."""
+    accs = [a for a in accs if a is not None]
+    before = [(a.data_ptr(), a.numpy().copy()) for a in accs]
+    assert call() is None
+    for a, (ptr, values) in zip(accs, before):
+        assert a.data_ptr() == ptr
+        np.testing.assert_array_equal(a.numpy(), values)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@given(lead=st.lists(st.integers(0, 9), min_size=1, max_size=2), k=st.integers(1, 70),
+       n=st.integers(0, 70), bias=st.booleans(), given_acc=st.booleans(),
+       strided=st.sampled_from(["none", "x", "dout", "weight", "dweight"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_linear_bwd_matches_float64(entry, lead, k, n, bias, given_acc, strided, seed):
+    rs = np.random.RandomState(seed)
+    x = rs.standard_normal(lead + [k]).astype("f4")
+    dy = rs.standard_normal(lead + [n]).astype("f4")
+    w = rs.standard_normal([k, n]).astype("f4")
+    w0 = rs.standard_normal([k, n]).astype("f4")
+    b0 = rs.standard_normal([n]).astype("f4")
+    tx = _strided(x) if strided == "x" else _f32(x)
+    tdy = _strided(dy) if strided == "dout" and n else _f32(dy)
+    tw = _strided(w) if strided == "weight" and n else _f32(w)
+    if given_acc:
+        mg = _strided(w0) if strided == "dweight" and n else _f32(w0)
+        mb = _f32(b0)
+    else:
+        mg = mb = None
+    m = int(np.prod(lead))
+    args = (tx, tdy, tw, mg, mb if bias else None, bias)
+    if m == 0 or n == 0 or not tx.is_contiguous() or not tdy.is_contiguous() or (
+            not tw.is_contiguous()) or (mg is not None and not mg.is_contiguous()):
+        # a zero-size product (the checked path's) or a strided tensor (the checked path copies
+        # x/dout, and writes a strided accumulator through): not for the entry, nothing written
+        _untouched([mg, mb], lambda: entry.linear_bwd(*args))
+        return
+    dx, dw, db = entry.linear_bwd(*args)
+    x2, y2 = x.reshape(m, k).astype("f8"), dy.reshape(m, n).astype("f8")
+    assert list(dx.shape) == lead + [k] and dx.dtype == paddle.float32
+    np.testing.assert_allclose(dx.numpy().reshape(m, k), y2 @ w.astype("f8").T,
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(dx.numpy(), paddle.matmul(tdy, tw, transpose_y=True).numpy())
+    if given_acc:  # in place: nothing new handed back for what the caller passed
+        assert dw is None and db is None
+        dw, db = mg, mb
+    assert dw.dtype == paddle.float32 and list(dw.shape) == [k, n]
+    base_w = w0.astype("f8") if given_acc else 0.0
+    np.testing.assert_allclose(dw.numpy(), base_w + x2.T @ y2, rtol=1e-4, atol=1e-4)
+    if bias:
+        base_b = b0.astype("f8") if given_acc else 0.0
+        np.testing.assert_allclose(db.numpy(), base_b + y2.sum(0), rtol=1e-4, atol=1e-4)
+    else:
+        assert db is None or given_acc
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+       mp=st.booleans(), lead=st.lists(st.integers(0, 7), min_size=1, max_size=2),
+       k=st.integers(1, 40), n=st.integers(1, 40), bias=st.booleans(), given_acc=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_wgrad_add_matches_float64(entry, dtype, mp, lead, k, n, bias, given_acc, seed):
+    rs = np.random.RandomState(seed)
+    wide = "float64" if dtype == "float64" else "float32"
+    acc = wide if mp else dtype
+    x = paddle.to_tensor(rs.standard_normal(lead + [k]).astype(wide)).astype(dtype)
+    dy = paddle.to_tensor(rs.standard_normal(lead + [n]).astype(wide)).astype(dtype)
+    mg = paddle.ones([k, n], acc) if given_acc else None
+    mb = paddle.ones([n], acc) if given_acc and bias else None
+    _, dw, db = entry.wgrad_add(x, dy, mg, mb, mp, bias)
+    if given_acc:
+        assert dw is None and db is None
+        dw, db = mg, mb
+    x2 = x.astype(wide).numpy().reshape(-1, k).astype("f8")
+    y2 = dy.astype(wide).numpy().reshape(-1, n).astype("f8")
+    base = 1.0 if given_acc else 0.0
+    tol = 1e-4 if dtype in ("float32", "float64") or mp else 5e-2
+    assert dw.dtype == paddle.to_tensor(np.zeros(1, "f4")).astype(acc).dtype
+    np.testing.assert_allclose(dw.astype("float64").numpy(), base + x2.T @ y2, rtol=tol, atol=tol)
+    if bias:
+        np.testing.assert_allclose(db.astype("float64").numpy(), base + y2.sum(0), rtol=tol,
+                                   atol=tol)
+    else:
+        assert db is None
+
+
+def _refused_calls():
+    x, dy, w = paddle.randn([4, 5]), paddle.randn([4, 3]), paddle.randn([5, 3])
+    mg, mb = paddle.ones([5, 3]), paddle.ones([3])
+    return {
+        "weight shape": (x, dy, paddle.randn([3, 5]), mg, mb, True),
+        "weight K": (x, dy, paddle.randn([6, 3]), mg, mb, True),
+        "weight dtype": (x, dy, w.astype("float64"), mg, mb, True),
+        "x dtype": (x.astype("float64"), dy.astype("float64"), w, mg, mb, True),
+        "bfloat16": (x.astype("bfloat16"), dy.astype("bfloat16"), w.astype("bfloat16"), mg, mb,
+                     True),
+        "float64 accumulators for float32": (x, dy, w, mg.astype("float64"), None, False),
+        "leading dims": (x, paddle.randn([5, 3]), w, mg, mb, True),
+        "dweight shape": (x, dy, w, paddle.ones([3, 5]), mb, True),
+        "dweight dtype": (x, dy, w, paddle.ones([5, 3], "float64"), mb, True),
+        "dbias shape": (x, dy, w, mg, paddle.ones([5]), True),
+        "dbias dtype": (x, dy, w, mg, paddle.ones([3], "bfloat16"), True),
+        "zero rows": (paddle.randn([0, 5]), paddle.randn([0, 3]), w, mg, mb, True),
+        "numpy x": (x.numpy(), dy, w, mg, mb, True),
+        "numpy dweight": (x, dy, w, mg.numpy(), mb, True),
+        "tuple dout": ((dy,), dy, w, mg, mb, True),
+        "uninitialized x": (paddle.Tensor(), dy, w, mg, mb, True),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_refused_calls()))
+def test_a_refused_call_writes_nothing(entry, case):
+    args = _refused_calls()[case]
+    accs = [a for a in args[3:5] if isinstance(a, paddle.Tensor)]
+    _untouched(accs, lambda: entry.linear_bwd(*args))
+    # the same accumulators refused by the weight-gradient kernel, where they are the problem
+    if case.startswith(("dweight", "dbias", "float64 acc", "numpy dweight", "leading", "x dtype")):
+        _untouched(accs, lambda: entry.wgrad_add(args[0], args[1], args[3], args[4], True,
+                                                 args[5]))
+
+
+def test_float64(entry):
+    rs = np.random.RandomState(4)
+    x, dy, w = (paddle.to_tensor(rs.standard_normal(s)) for s in ([2, 6, 5], [2, 6, 3], [5, 3]))
+    mg, mb = paddle.ones([5, 3], "float64"), paddle.ones([3], "float64")
+    ptrs = mg.data_ptr(), mb.data_ptr()
+    dx, dw, db = entry.linear_bwd(x, dy, w, mg, mb, True)
+    assert dw is None and db is None and (mg.data_ptr(), mb.data_ptr()) == ptrs
+    x2, y2 = x.numpy().reshape(12, 5), dy.numpy().reshape(12, 3)
+    np.testing.assert_allclose(dx.numpy().reshape(12, 5), y2 @ w.numpy().T, rtol=1e-12)
+    np.testing.assert_allclose(mg.numpy(), 1 + x2.T @ y2, rtol=1e-12)
+    np.testing.assert_allclose(mb.numpy(), 1 + y2.sum(0), rtol=1e-12)
+
+
+def test_new_accumulators_are_plain_tensors(entry):
+    """What a first micro-step's ``main_grad`` becomes: a tensor like the op's output was --
+    no gradient wanted, the multi-precision dtype, its own allocation."""
+    x, dy, w = paddle.randn([3, 4]), paddle.randn([3, 2]), paddle.randn([4, 2])
+    dx, dw, db = entry.linear_bwd(x, dy, w, None, None, True)
+    for t in (dx, dw, db):
+        assert isinstance(t, paddle.Tensor) and t.stop_gradient and t.is_contiguous()
+        assert t.place.is_cpu_place() and t.dtype == paddle.float32
+    assert len({dx.data_ptr(), dw.data_ptr(), db.data_ptr(), x.data_ptr(), dy.data_ptr()}) == 5
+
+
+# ----------------------------------------------------------------------------- route
+_DTYPES = ["float32", "float64", "bfloat16", "float16", "int32"]
+
+
+def _make(draw, kind, shape, dtype, grad):
+    """x, weight or bias as ``kind``: a tensor, a parameter, or something Paddle's linear may get."""
+    data = np.ones(shape, "float64" if dtype == "float64" else "float32")
+    if kind == "numpy":
+        return data
+    if kind == "uninitialized":
+        return paddle.Tensor()
+    if kind == "param" and shape and 0 not in shape and dtype != "int32":
+        p = paddle.create_parameter(shape, dtype,
+                                    default_initializer=paddle.nn.initializer.Constant(1.0))
+        p.stop_gradient = not grad
+        return p
+    t = paddle.to_tensor(data).astype(dtype)
+    if kind == "strided" and shape:
+        t = paddle.concat([t, t], axis=-1)[..., ::2]
+    t.stop_gradient = not grad
+    return (t,) if kind == "tuple" else t
+
+
+@st.composite
+def _linear_args(draw):
+    """(x, weight, bias, transpose_weight): a valid linear call, then, each with some
+    probability, one thing about one operand changed (kind, rank, a dim, dtype, size 0)."""
+    dtype = draw(st.sampled_from(_DTYPES[:4]))
+    lead = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
+    k, n = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    transpose = draw(st.booleans())
+    shapes = {"x": lead + [k], "weight": [n, k] if transpose else [k, n], "bias": [n]}
+    kinds = {r: draw(st.sampled_from(["tensor", "param"])) for r in shapes}
+    kinds["x"] = "tensor"
+    dtypes = dict.fromkeys(shapes, dtype)
+    grads = {r: draw(st.integers(0, 3)) > 0 for r in shapes}
+    bias = draw(st.integers(0, 2)) > 0
+    for _ in range(draw(st.integers(0, 2))):
+        role = draw(st.sampled_from(sorted(shapes)))
+        change = draw(st.sampled_from(["kind", "rank", "dim", "dtype", "zero"]))
+        if change == "kind":
+            kinds[role] = draw(st.sampled_from(["numpy", "tuple", "strided", "uninitialized"]))
+        elif change == "rank":
+            shapes[role] = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
+        elif change == "dim" and shapes[role]:
+            i = draw(st.integers(0, len(shapes[role]) - 1))
+            shapes[role][i] = max(0, shapes[role][i] + draw(st.sampled_from([-1, 1])))
+        elif change == "dtype":
+            dtypes[role] = draw(st.sampled_from(_DTYPES))
+        elif change == "zero" and shapes[role]:
+            shapes[role][draw(st.integers(0, len(shapes[role]) - 1))] = 0
+    made = {r: _make(draw, kinds[r], shapes[r], dtypes[r], grads[r]) for r in shapes}
+    return made["x"], made["weight"], made["bias"] if bias else None, transpose
+
+
+def _answer(x, w, b, transpose):
+    try:
+        return ("ok", L._route(x, w, b, transpose))
+    except Exception as e:  # noqa: BLE001 -- compared: type and text
+        return ("raised", type(e), str(e))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(args=_linear_args())
+def test_route_answers_as_python(entry, monkeypatch, args):
+    """``_route`` with the fast entry == ``_route`` asking Paddle question by question."""
+    fast = _answer(*args)
+    event(f"{fast[0]} {fast[1] if fast[0] == 'ok' else fast[1].__name__}")
+    monkeypatch.setattr(ops, "fast_route", None)
+    slow = _answer(*args)
+    assert fast == slow
+
+
+def test_route_common_cases(entry):
+    w = paddle.create_parameter([4, 3], "float32")
+    b = paddle.create_parameter([3], "float32")
+    x = paddle.randn([2, 5, 4])
+    assert ops.fast_route(x, w, b, False) == ("float32", True)
+    assert ops.fast_route(x, w, None, False) == ("float32", True)
+    assert ops.fast_route(x, w.T, None, True) == ("float32", True)
+    assert ops.fast_route(paddle.randn([2, 3]), w, b, False) is False  # K mismatch
+    assert ops.fast_route(x.astype("float64"), w, b, False) is None   # dtype mix: Paddle's
+    assert ops.fast_route(x, w, paddle.randn([1, 3]), False) is None  # broadcast bias
+    assert ops.fast_route(paddle.randn([2, 0]), paddle.randn([0, 3]), None, False) == (
+        "float32", False)  # K = 0: not the common case of the fast backward
+    with pytest.raises(TypeError):
+        ops.fast_route(x, w, b)
+
+
+# ----------------------------------------------------------------------------- adversarial
+GARBAGE = """
+    import zlib, itertools, paddle
+    from paddle_mgrad import ops
+    ops.load(); e = ops.cpu_entry("float32")
+    t = paddle.randn([2, 3])
+    values = [None, 0, 1.5, "x", b"", (), [], {}, object(), t, t.T, paddle.Tensor(),
+              t.numpy(), paddle.randn([0, 0]), paddle.randn([3])]
+    n = 0
+    for f, arity in ((e.route, 4), (e.linear_bwd, 6), (e.wgrad_add, 6)):
+        for count in range(arity + 2):
+            try:
+                f(*values[:count])
+            except TypeError:
+                pass
+        for args in itertools.product(values, repeat=2):
+            for pos in range(arity - 1):
+                full = [t] * arity
+                full[pos:pos + 2] = args
+                try:
+                    f(*full)
+                except Exception:
+                    pass
+                n += 1
+    print("CALLS", n)
+"""
+
+
+def test_garbage_arguments_never_crash(entry):
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(GARBAGE)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-3000:]}"
+    assert "CALLS" in r.stdout
+
+
+def test_threads_stay_exact(entry):
+    """Four threads accumulate into their own and into one shared accumulator; the kernel runs
+    with the GIL released, each call's writes are its own: every sum exact."""
+    rs = np.random.RandomState(0)
+    x = paddle.to_tensor(rs.standard_normal([64, 32]).astype("f4"))
+    dy = paddle.to_tensor(rs.standard_normal([64, 16]).astype("f4"))
+    w = paddle.to_tensor(rs.standard_normal([32, 16]).astype("f4"))
+    own = [paddle.zeros([32, 16]) for _ in range(4)]
+    lock = threading.Lock()
+    shared = paddle.zeros([32, 16])
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(25):
+                assert entry.linear_bwd(x, dy, w, own[i], None, False) is not None
+                with lock:  # (one accumulator: writes must not interleave, as in Paddle)
+                    assert entry.wgrad_add(x, dy, shared, None, True, False) is not None
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    one = x.numpy().astype("f8").T @ dy.numpy().astype("f8")
+    for acc in own:
+        np.testing.assert_allclose(acc.numpy(), 25 * one, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(shared.numpy(), 100 * one, rtol=1e-4, atol=1e-3)
+
+
+def test_without_the_entry_the_linear_takes_the_checked_path(entry, monkeypatch):
+    """A library without the fast entry (a Paddle lacking an accessor it needs): routing asks
+    Python, the backward goes through the checked path (the custom op), gradients the same."""
+    from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+    import paddle_mgrad
+    from paddle_mgrad import stats
+
+    def grads():
+        paddle.seed(0)
+        layer = paddle.nn.Linear(4, 3)
+        MixPrecisionLayer(layer, dtype="bfloat16")
+        x = paddle.randn([5, 4])
+        x.stop_gradient = False
+        paddle_mgrad.enable(recompute=False, fused_linear=True)
+        try:
+            before = stats.snapshot()["linear"]["into_main_grad"]
+            for _ in range(2):
+                (layer(x) ** 2).sum().backward()
+            assert stats.snapshot()["linear"]["into_main_grad"] - before == 4
+        finally:
+            paddle_mgrad.disable()
+        return [layer.weight.main_grad.numpy(), layer.bias.main_grad.numpy(), x.grad.numpy()]
+
+    with_entry = grads()
+    monkeypatch.setitem(ops._state, "fast", None)
+    monkeypatch.setattr(ops, "fast_route", None)
+    assert ops.cpu_entry("float32") is None and ops.cpu_runner("float32") is not None
+    without = grads()
+    for a, b in zip(with_entry, without):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_failing_entry_lookup_leaves_the_op_working(monkeypatch, caplog):
+    """``_build._fast_entry`` never fails the load: a library without the symbol (or ctypes
+    failing) means no fast entry and one warning."""
+    import ctypes
+
+    from paddle_mgrad.ops import _build
+
+    class Broken:
+        def __init__(self, path):
+            raise OSError(f"cannot open {path}")
+
+    monkeypatch.setattr(ctypes, "PyDLL", Broken)
+    with caplog.at_level("WARNING", logger="paddle_mgrad"):
+        assert _build._fast_entry("/nonexistent.so") is None
+    assert "fast entry is unavailable" in caplog.text and "OSError" in caplog.text
