@@ -10,10 +10,11 @@ costs several times more there than in a loop of its own, where Paddle's code st
 CPU's caches.  Rows, each against Paddle's own step in the same run:
 
 * ``bare``: a ``PyLayer`` -- forward ``_C_ops.linear``, ``save_for_backward(x)``; backward our
-  op into ``main_grad`` and ``_C_ops.matmul`` for ``dx`` (two dispatches);
-* ``bare, one call``: the same backward as one call of ``pmg_fused_linear_bwd``;
-* ``bare, no dx``: no input gradient at all (what a dispatch costs: compare with ``bare``);
-* ``+ guard``: ``bare, one call`` as a ``GuardedPyLayer`` with the second-backward guard;
+  op into ``main_grad`` through Paddle's custom-op dispatch and ``_C_ops.matmul`` for ``dx``;
+* ``bare, entry``: the same backward as one call of the op library's fast entry
+  (``linear_bwd``: no custom-op dispatch);
+* ``bare, no dx``: the entry without an input gradient (``wgrad_add``: what ``dx`` costs);
+* ``+ guard``: ``bare, entry`` as a ``GuardedPyLayer`` with the second-backward guard;
 * ``ours``: ``paddle_mgrad.enable(fused_linear=True)`` -- routing, checks, counters, guard.
 
 The stand-ins skip every check (they are not correct outside this model); the rows interleave
@@ -38,7 +39,7 @@ from paddle_mgrad import ops  # noqa: E402
 from paddle_mgrad.autograd import passes  # noqa: E402
 
 
-def stand_ins(run):
+def stand_ins(run, entry):
     class Bare(paddle.autograd.PyLayer):
         @staticmethod
         def forward(ctx, x, w, b):
@@ -53,19 +54,18 @@ def stand_ins(run):
             run("pmg_fused_wgrad_add", x, dy, w.main_grad, b.main_grad, True, True)
             return _C_ops.matmul(dy, w, False, True), None, None
 
-    class OneCall(Bare):
+    class Entry(Bare):
         @staticmethod
         def backward(ctx, dy):
             (x,) = ctx.saved_tensor()
-            dx, _, _ = run("pmg_fused_linear_bwd", x, dy, ctx.w, ctx.w.main_grad,
-                           ctx.b.main_grad, True)
+            dx, _, _ = entry.linear_bwd(x, dy, ctx.w, ctx.w.main_grad, ctx.b.main_grad, True)
             return dx, None, None
 
     class NoDx(Bare):
         @staticmethod
         def backward(ctx, dy):
             (x,) = ctx.saved_tensor()
-            run("pmg_fused_wgrad_add", x, dy, ctx.w.main_grad, ctx.b.main_grad, True, True)
+            entry.wgrad_add(x, dy, ctx.w.main_grad, ctx.b.main_grad, True, True)
             return dy, None, None  # (dy has x's shape in this model: a stand-in, no GEMM)
 
     class Guarded(passes.GuardedPyLayer):
@@ -79,12 +79,11 @@ def stand_ins(run):
         @staticmethod
         def backward(ctx, dy):
             (x,) = ctx.saved_tensor()
-            dx, _, _ = run("pmg_fused_linear_bwd", x, dy, ctx.w, ctx.w.main_grad,
-                           ctx.b.main_grad, True)
+            dx, _, _ = entry.linear_bwd(x, dy, ctx.w, ctx.w.main_grad, ctx.b.main_grad, True)
             passes.ran(ctx)
             return dx, None, None
 
-    return {"bare": Bare, "bare, one call": OneCall, "bare, no dx": NoDx, "+ guard": Guarded}
+    return {"bare": Bare, "bare, entry": Entry, "bare, no dx": NoDx, "+ guard": Guarded}
 
 
 def main():
@@ -93,12 +92,13 @@ def main():
     args = ap.parse_args()
     blocks, _model, x0 = host.build(args)
     host.run_cell(blocks, x0, "fused", "none", 2)  # builds/loads the op, allocates main_grad
-    run = ops.cpu_runner("float32")
-    if run is None:
-        raise SystemExit("the C++ op did not load: " + str(ops.fallback_reason()))
+    run, entry = ops.cpu_runner("float32"), ops.cpu_entry("float32")
+    if run is None or entry is None:
+        raise SystemExit("the C++ op (with its fast entry) did not load: "
+                         + str(ops.fallback_reason()))
     functional = paddle.nn.functional
     linear = functional.linear  # the function object (enable() swaps its code, not it)
-    rows = {"paddle": None, **stand_ins(run), "ours": "ours"}
+    rows = {"paddle": None, **stand_ins(run, entry), "ours": "ours"}
     step = host.make_step(blocks, x0, "none")
     samples = {r: [] for r in rows}
     try:

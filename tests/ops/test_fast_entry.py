@@ -211,9 +211,10 @@ def _make(draw, kind, shape, dtype, grad):
                                     default_initializer=paddle.nn.initializer.Constant(1.0))
         p.stop_gradient = not grad
         return p
-    t = paddle.to_tensor(data).astype(dtype)
     if kind == "strided" and shape:
-        t = paddle.concat([t, t], axis=-1)[..., ::2]
+        t = paddle.to_tensor(np.concatenate([data, data], axis=-1)).astype(dtype)[..., ::2]
+    else:
+        t = paddle.to_tensor(data).astype(dtype)
     t.stop_gradient = not grad
     return (t,) if kind == "tuple" else t
 
