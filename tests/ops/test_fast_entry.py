@@ -13,6 +13,8 @@ custom-op dispatch (issue 23).
   inputs hypothesis draws (tensors, parameters, numpy, tuples, ranks 0-3, zero sizes, dtypes,
   strided views, frozen parameters, a transposed weight).  Places other than the CPU cannot be
   drawn on these machines (no GPU): the place comparison is covered by the fakes of test_ops.
+  A SelectedRows operand (a sparse embedding's gradient) stands for the tensors that are not
+  dense (dist tensors cannot be made on these machines).
 * Garbage arguments in a subprocess: exceptions, never a signal.  Threads: the GIL is released
   while a kernel runs; concurrent calls stay exact.
 """
@@ -206,6 +208,8 @@ def _make(draw, kind, shape, dtype, grad):
         return data
     if kind == "uninitialized":
         return paddle.Tensor()
+    if kind == "selected_rows" and len(shape) == 2 and shape[0] and shape[1]:
+        return _selected_rows(*shape)
     if kind == "param" and shape and 0 not in shape and dtype != "int32":
         p = paddle.create_parameter(shape, dtype,
                                     default_initializer=paddle.nn.initializer.Constant(1.0))
@@ -217,6 +221,16 @@ def _make(draw, kind, shape, dtype, grad):
         t = paddle.to_tensor(data).astype(dtype)
     t.stop_gradient = not grad
     return (t,) if kind == "tuple" else t
+
+
+def _selected_rows(rows, width):
+    """A float32 SelectedRows tensor of shape [rows, width] (not dense): a sparse embedding's
+    gradient."""
+    emb = paddle.nn.Embedding(rows + 1, width, sparse=True)
+    emb(paddle.arange(rows)).sum().backward()
+    g = emb.weight.grad
+    assert g.is_selected_rows() and not g.is_dense() and list(g.shape) == [rows, width]
+    return g
 
 
 @st.composite
@@ -237,7 +251,8 @@ def _linear_args(draw):
         role = draw(st.sampled_from(sorted(shapes)))
         change = draw(st.sampled_from(["kind", "rank", "dim", "dtype", "zero"]))
         if change == "kind":
-            kinds[role] = draw(st.sampled_from(["numpy", "tuple", "strided", "uninitialized"]))
+            kinds[role] = draw(st.sampled_from(["numpy", "tuple", "strided", "uninitialized",
+                                                "selected_rows"]))
         elif change == "rank":
             shapes[role] = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
         elif change == "dim" and shapes[role]:
@@ -295,8 +310,10 @@ GARBAGE = """
     from paddle_mgrad import ops
     ops.load(); e = ops.cpu_entry("float32")
     t = paddle.randn([2, 3])
+    emb = paddle.nn.Embedding(4, 3, sparse=True)
+    emb(paddle.arange(2)).sum().backward()
     values = [None, 0, 1.5, "x", b"", (), [], {}, object(), t, t.T, paddle.Tensor(),
-              t.numpy(), paddle.randn([0, 0]), paddle.randn([3])]
+              t.numpy(), paddle.randn([0, 0]), paddle.randn([3]), emb.weight.grad]
     n = 0
     for f, arity in ((e.route, 4), (e.linear_bwd, 6), (e.wgrad_add, 6)):
         for count in range(arity + 2):
