@@ -40,6 +40,7 @@
 // rule (exported by 2.6 and 3.x).
 #include <Python.h>
 
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -155,9 +156,18 @@ PyObject* triple(PyObject* a, PyObject* b, PyObject* c) {
 }
 
 // A kernel's output as a new Python tensor, or None when the caller passed the accumulator
-// itself (it holds that object already) or there is none.
+// itself (it holds that object already) or there is none.  Null with a Python error set if
+// wrapping fails (no C++ exception leaves a function Python calls: it would abort).
 PyObject* wrap(const paddle::Tensor& out, bool wanted) {
-  return wanted ? pb::ToPyObject(out, false) : py_none();
+  if (!wanted) return py_none();
+  try {
+    return pb::ToPyObject(out, false);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "paddle_mgrad fast entry: wrapping an output failed");
+  }
+  return nullptr;
 }
 
 template <typename F>
