@@ -43,38 +43,61 @@ def switch_on(env, tmp_path):
 ABORT = "Exit code -6"
 #: what PaddleNLP's/PaddleFormers' Trainer logs when train() returned
 COMPLETED = "Training completed."
+#: what a rank's log shows when its gloo rendezvous was refused while the process group was
+#: created (Paddle 2.6.2 and 3.3.1: ``ProcessGroupGloo.create`` ... ``Connection refused``)
+GLOO_REFUSED = ("ProcessGroupGloo", "Connection refused")
+
+
+def gloo_refused(texts) -> bool:
+    """One of the rank logs ``texts`` shows a refused gloo rendezvous (:data:`GLOO_REFUSED`).
+
+    Two launches running at once (``pytest -n 2``) can pick the same free port for their
+    rendezvous: CI 2026-12-02 lost a 2-rank run that way on Paddle 2.6.2, in ``fleet.init``,
+    before any paddle_mgrad code ran.  Such a run is repeated once (:func:`launch`,
+    ``fleet/launch/launching.run``)."""
+    return any(all(s in t for s in GLOO_REFUSED) for t in texts)
 
 
 def launch(argv, out_dir, nproc, env, timeout, cwd):
     """``python argv`` (nproc > 1: through paddle.distributed.launch, logs in out_dir/log).
     Returns (returncode, the workers' logs then the launcher's output).
 
-    One retry, for one failure only: Paddle 3.3.1's 2-rank gloo runs on CPU sometimes lose a
-    rank to SIGABRT *after* training, at interpreter exit, with nothing in its log (no Python
-    traceback: faulthandler is already off).  Seen in plain runs without paddle_mgrad as well
-    as with it (CI 2026-12-01: the plain run; locally 2 of 21 runs of
-    test_unmodified_script_two_ranks).  When the launcher reports that abort and every rank's
-    log says training completed, the run is repeated once (the aborted one is kept beside it
-    as ``<out_dir>.aborted`` and named in the output); any other failure is returned as is."""
+    One retry, for two failures only, that are Paddle's and not the script's:
+
+    * Paddle 3.3.1's 2-rank gloo runs on CPU sometimes lose a rank to SIGABRT *after*
+      training, at interpreter exit, with nothing in its log (no Python traceback: faulthandler
+      is already off).  Seen in plain runs without paddle_mgrad as well as with it (CI
+      2026-12-01: the plain run; locally 2 of 21 runs of test_unmodified_script_two_ranks).
+      Repeated when the launcher reports that abort and every rank's log says training
+      completed (the aborted run is kept beside it as ``<out_dir>.aborted``);
+    * a refused gloo rendezvous before training (:func:`gloo_refused`; kept as
+      ``<out_dir>.refused``).
+
+    The repeat is named in the output; any other failure is returned as is."""
     rc, out = _launch_once(argv, out_dir, nproc, env, timeout, cwd)
-    if rc != 0 and nproc > 1 and _aborted_after_training(out_dir, out, nproc):
-        kept = out_dir.with_name(out_dir.name + ".aborted")
+    why = None if rc == 0 or nproc < 2 else _paddles_failure(out_dir, out, nproc)
+    if why is not None:
+        kept = out_dir.with_name(out_dir.name + "." + why[0])
         shutil.rmtree(kept, ignore_errors=True)
         out_dir.rename(kept)
         rc, out = _launch_once(argv, out_dir, nproc, env, timeout, cwd)
-        out = (f"--- NOTE: the first launch lost a rank to SIGABRT at exit after training "
-               f"completed on every rank (Paddle's teardown); repeated once; first run kept in "
-               f"{kept}\n" + out)
+        out = f"--- NOTE: the first launch {why[1]}; repeated once; first run kept in {kept}\n" + out
         print(out.splitlines()[0])
     return rc, out
 
 
-def _aborted_after_training(out_dir, out, nproc):
+def _paddles_failure(out_dir, out, nproc):
+    """(suffix, description) of a failed run to repeat (:func:`launch`), or None."""
     logs = [out_dir / "log" / f"workerlog.{r}" for r in range(nproc)]
-    if ABORT not in out or not all(log.is_file() for log in logs):
-        return False
-    texts = [log.read_text(errors="replace") for log in logs]
-    return all(COMPLETED in t and "Traceback (most recent call last)" not in t for t in texts)
+    texts = [log.read_text(errors="replace") for log in logs if log.is_file()]
+    if len(texts) == nproc and ABORT in out and all(
+            COMPLETED in t and "Traceback (most recent call last)" not in t for t in texts):
+        return ("aborted", "lost a rank to SIGABRT at exit after training completed on every "
+                           "rank (Paddle's teardown)")
+    if any(gloo_refused([t]) and COMPLETED not in t for t in texts):  # refused before training
+        return ("refused", "had a rank's gloo rendezvous refused before training (a port "
+                           "race between concurrent launches)")
+    return None
 
 
 def _launch_once(argv, out_dir, nproc, env, timeout, cwd):

@@ -1,0 +1,54 @@
+"""launching.run's one retry: a 2-rank launch whose gloo rendezvous was refused before any rank
+wrote a result (a port race between concurrent launches) is repeated once; every other failure
+fails the test with the rank logs.  Fake drivers, no paddle_mgrad and no PaddleNLP needed."""
+import os
+import sys
+
+import pytest
+
+from launching import run
+
+DRIVER = r"""
+import os, sys
+rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+mode, out = sys.argv[1], sys.argv[2]
+marker = os.path.join(out, "refused-once")
+if rank == "0" and (mode == "always" or (mode == "once" and not os.path.exists(marker))):
+    open(marker, "w").close()
+    print("Traceback (most recent call last):\n    pg = core.ProcessGroupGloo.create(store, rank,"
+          " world_size, place, gid)\nOSError: pair.cc:784 connect [127.0.0.1]:52660: "
+          "Connection refused", flush=True)
+    sys.exit(1)
+if rank == "0" and mode == "crash":
+    raise RuntimeError("a real failure")
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    f.write("{}")
+"""
+
+
+def _run(tmp_path, mode):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
+           os.path.join(out, "log"), "--nproc_per_node", "2", str(driver), mode, out]
+    run(cmd, out, f"fake {mode}", 300)
+    return out
+
+
+def test_a_refused_rendezvous_is_repeated_once(tmp_path, capsys):
+    out = _run(tmp_path, "once")
+    assert all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in (0, 1))
+    with open(os.path.join(out, "log.refused", "workerlog.0")) as f:
+        assert "Connection refused" in f.read()
+    assert "repeated once" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["always", "crash"])
+def test_other_failures_fail(tmp_path, mode):
+    with pytest.raises(pytest.fail.Exception) as e:
+        _run(tmp_path, mode)
+    text = str(e.value)
+    assert ("Connection refused" if mode == "always" else "a real failure") in text
+    assert os.path.exists(tmp_path / "out" / "log.refused") == (mode == "always")
