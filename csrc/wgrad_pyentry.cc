@@ -1,12 +1,13 @@
 // The Python fast entry of the op library: two CPython functions for the fused linear's hot
 // path (paddle_mgrad/linear.py), reached without Paddle's custom-op dispatch.
 //
-//   route(x, weight, bias, transpose_weight) -> (dtype name, on the CPU) | None | False
+//   route(x, weight, bias, transpose_weight) -> (dtype name, where) | None | False
 //     What linear._route decides from x/weight/bias's meta (type, dense, rank, dtype, shape,
 //     place), in the same order, in one call instead of about a dozen calls into Paddle: None
 //     when the call is Paddle's, False when x's last dim does not match the weight (the caller
-//     raises its error naming the shapes), else the facts the PyLayer keeps.  "On the CPU" is
-//     true only with K, N > 0.  Anything unexpected (a C++ exception reading a meta, say of an
+//     raises its error naming the shapes), else the facts the PyLayer keeps.  "where" is "cpu"
+//     or "gpu" for the common case of the fast backward (CPU or CUDA tensors, K, N > 0), else
+//     None.  Anything unexpected (a C++ exception reading a meta, say of an
 //     uninitialized tensor) returns NotImplemented: the caller asks Python's _route, which
 //     behaves as it always did.  stop_gradient and grad mode stay with the Python caller
 //     (attribute reads; the autograd meta's layout is not in Paddle's published headers).
@@ -64,8 +65,9 @@ namespace {
 
 namespace pb = paddle::pybind;
 
-// (dtype name, on the CPU) tuples, made once: the route's answers
-PyObject* g_facts[4][2];
+// (dtype name, where) tuples, made once: the route's answers; where: None, "cpu", "gpu"
+PyObject* g_facts[4][3];
+const char* const kWhere[3] = {nullptr, "cpu", "gpu"};
 const char* const kDtypeNames[4] = {"float32", "bfloat16", "float16", "float64"};
 
 int dtype_index(paddle::DataType t) {
@@ -120,7 +122,8 @@ PyObject* route(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const auto place = x->place();
     if (!(place == w->place())) return py_none();
     if (xs[xs.size() - 1] != k) Py_RETURN_FALSE;
-    PyObject* facts = g_facts[di][x->is_cpu() && k > 0 && n > 0];
+    const int where = k > 0 && n > 0 ? (x->is_cpu() ? 1 : x->is_gpu() ? 2 : 0) : 0;
+    PyObject* facts = g_facts[di][where];
     Py_INCREF(facts);
     return facts;
   } catch (...) {
@@ -247,10 +250,9 @@ extern "C" PyObject* pmg_fast_module() {
   }
   if (!pb::PyCheckTensor || !pb::CastPyArg2Tensor || !pb::ToPyObject) return py_none();
   for (int d = 0; d < 4; ++d)
-    for (int cpu = 0; cpu < 2; ++cpu) {
-      if (!g_facts[d][cpu]) g_facts[d][cpu] = Py_BuildValue("(sO)", kDtypeNames[d],
-                                                           cpu ? Py_True : Py_False);
-      if (!g_facts[d][cpu]) return nullptr;
+    for (int w = 0; w < 3; ++w) {
+      if (!g_facts[d][w]) g_facts[d][w] = Py_BuildValue("(sz)", kDtypeNames[d], kWhere[w]);
+      if (!g_facts[d][w]) return nullptr;
     }
   module = PyModule_Create(&g_module);
   if (!module) return nullptr;

@@ -242,7 +242,7 @@ def _backward_fast(ctx, x, dy, weight, bias):
     """The ordinary backward of :class:`FusedLinearWithGradAdd` in its common case, in few steps.
 
     The forward found (``ctx.facts``, from :func:`_route`): ``x``, ``weight`` (``[K, N]``) and
-    ``bias`` (or None) plain dense CPU tensors of one dtype, K, N > 0.  Here: grad mode off (no
+    ``bias`` (or None) plain dense tensors of one dtype, K, N > 0, on the CPU or on a GPU.  Here: grad mode off (no
     ``create_graph``), ``dy`` of that dtype (no autocast), weight and bias needing a gradient,
     each with a ``main_grad`` attribute and no user gradient hook, ``main_grad`` contiguous
     or None.  Then the op's kernel runs straight into ``main_grad`` (or allocates it: first
@@ -251,12 +251,14 @@ def _backward_fast(ctx, x, dy, weight, bias):
     float64 the same call also computes ``dx`` (``pmg_fused_linear_bwd``'s kernel, with
     Paddle's own matmul kernel).  The call goes through the op library's fast entry
     (:func:`paddle_mgrad.ops.cpu_entry`), not Paddle's custom-op dispatch: a linear's whole
-    backward is one call from Python.
+    backward is one call from Python.  On a GPU (only where our CUDA op is the GPU tier,
+    :func:`paddle_mgrad.ops.gpu_entry`) the entry runs the weight-gradient kernel and ``dx`` is
+    Paddle's matmul, as in the checked path, without its checks in Python.
 
     Returns the backward's result, or None for any other case, and when the kernel refuses the
     call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
     every check in Python and raises the usual error."""
-    x_name, _ = ctx.facts
+    x_name, where = ctx.facts
     if tracer()._has_grad or weight.stop_gradient or not _MAIN_GRAD_IN_DICT:
         return None
     if _dtname(dy.dtype) != x_name:
@@ -275,15 +277,19 @@ def _backward_fast(ctx, x, dy, weight, bias):
         b_acc = bd["main_grad"]
     else:
         b_acc = None
-    entry = ops.cpu_entry(x_name)
-    if entry is None:
-        return None
     # One call into the op library's fast entry, without Paddle's custom-op dispatch (that
     # costs the host more than the kernels at small shapes).  None: a tensor the entry does not
     # take -- x or dy strided (the checked path copies them), an accumulator strided (written
     # through by the checked path) -- or refused by the kernel before it wrote anything.
-    if ctx.x_needs_grad and x_name in _ONE_CALL_DTYPES:
-        # dx too, in the same call, by Paddle's own matmul kernel
+    if where == "cpu":
+        entry = ops.cpu_entry(x_name)
+        one_call = ctx.x_needs_grad and x_name in _ONE_CALL_DTYPES
+    else:  # "gpu": our CUDA op's tier only (Paddle's fused op and the reference: checked path)
+        entry = ops.gpu_entry()
+        one_call = False
+    if entry is None:
+        return None
+    if one_call:  # dx too, in the same call, by Paddle's own matmul kernel
         done = entry.linear_bwd(x, dy, weight, w_acc, b_acc, bias is not None)
     else:
         done = entry.wgrad_add(x, dy, w_acc, b_acc, True, bias is not None)
@@ -418,7 +424,7 @@ _LINEAR_IS_C_OP = _compat.IS_PADDLE_2 or not paddle.is_compiled_with_cuda()
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc).
 
-    ``facts``: what :func:`_route` found out about the inputs (``(dtype name, on the CPU)``),
+    ``facts``: what :func:`_route` found out about the inputs (``(dtype name, where)``),
     kept on ``ctx`` so that the backward does not ask Paddle again; None when the caller did
     not route (the general backward then asks)."""
 
@@ -432,7 +438,7 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
             y = _paddle_linear(x, weight, bias)
         stash_for_backward(ctx, x, weight, bias, None if facts is None else facts[0])
         ctx.transpose_weight = transpose_weight
-        # the common case's backward (_backward_fast): a [K, N] weight on the CPU
+        # the common case's backward (_backward_fast): a [K, N] weight on the CPU or a GPU
         ctx.facts = facts if facts is not None and facts[1] and not transpose_weight else None
         stats.bump(stats.linear, "forward")
         return y
@@ -476,7 +482,7 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
 
 def _route(x, weight, bias, transpose_weight=False):
     """None when the call goes to Paddle's own function unchanged; else the facts our
-    PyLayer keeps for its backward: ``(dtype name, on the CPU)``.
+    PyLayer keeps for its backward: ``(dtype name, where)``.
 
     The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
     grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
@@ -489,8 +495,9 @@ def _route(x, weight, bias, transpose_weight=False):
     numpy inputs, 1-D ``x``, broadcast biases, dtype mixes --
     is Paddle's, with Paddle's result or Paddle's error.  A mismatched ``x``/``weight``
     inner dimension stays ours: it raises a ValueError (:class:`FusedLinearError`) naming
-    the shapes.  "On the CPU" is true only with K, N > 0 (the common case of
-    :func:`_backward_fast`; a zero-size product takes the general backward).
+    the shapes.  "where" is ``"cpu"`` or ``"gpu"`` (CUDA) with K, N > 0 (the common case of
+    :func:`_backward_fast`), else None (a zero-size product, another place: the general
+    backward).
     """
     tr = _global_var._dygraph_tracer_  # paddle.in_dynamic_mode(): not None
     if tr is None or not tr._has_grad:
@@ -541,7 +548,11 @@ def _route_meta(x, weight, bias, transpose_weight):
         raise FusedLinearError(
             f"fused_linear: x {list(x_shape)} does not match weight {list(w_shape)} "
             f"(x's last dim must be {k})")
-    return x_name, place == _CPU_PLACE and k > 0 and n > 0
+    if k <= 0 or n <= 0:
+        return x_name, None
+    if place == _CPU_PLACE:
+        return x_name, "cpu"
+    return x_name, "gpu" if x.place.is_gpu_place() else None  # (CUDA-pinned memory is not)
 
 
 # what :func:`_route` reads: ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` on

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from paddle_mgrad import FusedLinearError, ops, stats
+from paddle_mgrad import FusedLinearError, linear as L, ops, stats
 from paddle_mgrad.ops import _inputs
 
 IS_2 = paddle.__version__.startswith("2.")
@@ -442,3 +442,65 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
         np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5)
     if x_grad:
         np.testing.assert_array_equal(xs[1].grad.numpy(), xs[0].grad.numpy())
+
+
+@pytest.mark.parametrize("gpu_tier", ["cuda", "paddle-fused", "python"])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypatch, gpu_tier,
+                                                                        x_grad):
+    """A CUDA linear's common-case backward, faked: the route calls the (CPU) tensors "gpu".
+    With our CUDA op as the GPU tier (``ops.gpu_entry``), the backward is one call of the fast
+    entry's weight-gradient kernel (CUDA's, on a GPU) and Paddle's matmul for dx -- no checks in
+    Python, no custom-op dispatch.  With Paddle's fused op or the reference as the tier, the
+    checked path runs.  Gradients equal plain Paddle's either way."""
+    if ops.load() is None:
+        pytest.skip("C++ op not built")
+    real_route = ops.fast_route
+
+    def route(*args):
+        facts = real_route(*args)
+        return (facts[0], "gpu") if isinstance(facts, tuple) and facts[1] == "cpu" else facts
+
+    monkeypatch.setattr(ops, "fast_route", route)
+    monkeypatch.setitem(ops._state, "gpu", gpu_tier)
+    real_entry = ops.gpu_entry
+    calls, checked = [], []
+
+    def entry():
+        fast = real_entry()
+        if fast is None:
+            return None
+
+        class Spy:
+            def __getattr__(self, name):
+                def spy(*args):
+                    out = getattr(fast, name)(*args)
+                    calls.append((name, out is not None))
+                    return out
+                return spy
+
+        return Spy()
+
+    def general(*args, **kwargs):
+        checked.append(True)
+        return real_general(*args, **kwargs)
+
+    real_general = L.weight_and_bias_grads
+    monkeypatch.setattr(ops, "gpu_entry", entry)
+    monkeypatch.setattr(L, "weight_and_bias_grads", general)
+    rs = np.random.RandomState(2)
+    ours, ref = _layer_pair(True, True, rs)
+    for step in range(2):  # first micro-step (main_grad None), then accumulation
+        data = rs.standard_normal([3, 5]).astype("float32")
+        xs = [_squares_step(layer, data, fused, x_grad)
+              for layer, fused in ((ref, False), (ours, True))]
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5,
+                                       atol=1e-5)
+        if x_grad:
+            np.testing.assert_allclose(xs[1].grad.numpy(), xs[0].grad.numpy(), rtol=1e-6,
+                                       atol=1e-6)
+    if gpu_tier == "cuda":
+        assert calls == [("wgrad_add", True)] * 2 and checked == []
+    else:
+        assert calls == [] and checked == [True] * 2

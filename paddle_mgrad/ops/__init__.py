@@ -391,6 +391,18 @@ def cpu_entry(x_name):
     return fast
 
 
+def gpu_entry():
+    """The op library's fast entry for a GPU call (its ``wgrad_add``: our CUDA kernel, on
+    Paddle's stream, no custom-op dispatch), or None: the library has no entry or no CUDA part
+    (the GPU tier is Paddle's fused op or the reference, decided once by :func:`load`), or a
+    test replaced a seam.  The kernel checks places, dtypes, shapes and its environment
+    settings before it writes anything; the entry returns None when it refuses."""
+    fast = _state["fast"]
+    if fast is None or _state["gpu"] != "cuda" or not _cpu_ready(None):
+        return None
+    return fast
+
+
 def _cpu_ready(x_name) -> bool:
     """No test seam replaced (the faked devices live there), and every environment knob the
     CPU op reads for ``x_name`` inputs valid (the checked path raises its EnvError after the
