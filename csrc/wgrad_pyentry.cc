@@ -143,6 +143,11 @@ bool gather(PyObject* const* args, int n, int first_optional, const paddle::Tens
   return true;
 }
 
+// An optional accumulator: the tensor, or none for a None argument.
+paddle::optional<paddle::Tensor> maybe(const paddle::Tensor* t) {
+  return t ? paddle::optional<paddle::Tensor>(*t) : paddle::optional<paddle::Tensor>();
+}
+
 // (a, b, c) from new references, any of them null (the error set) or Py_None; steals them.
 PyObject* triple(PyObject* a, PyObject* b, PyObject* c) {
   PyObject* res = a && b && c ? PyTuple_New(3) : nullptr;
@@ -195,9 +200,7 @@ PyObject* linear_bwd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (has_bias < 0) return nullptr;
   const paddle::Tensor* t[5];
   if (!gather(args, 5, 3, t)) return py_none();
-  paddle::optional<paddle::Tensor> dw, db;
-  if (t[3]) dw = *t[3];
-  if (t[4]) db = *t[4];
+  const auto dw = maybe(t[3]), db = maybe(t[4]);
   std::vector<paddle::Tensor> out;
   if (!run_released([&] { out = pmg_bind::FusedLinearBwd(*t[0], *t[1], *t[2], dw, db, has_bias); }))
     return py_none();
@@ -214,9 +217,7 @@ PyObject* wgrad_add(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (mp < 0 || has_bias < 0) return nullptr;
   const paddle::Tensor* t[4];
   if (!gather(args, 4, 2, t)) return py_none();
-  paddle::optional<paddle::Tensor> dw, db;
-  if (t[2]) dw = *t[2];
-  if (t[3]) db = *t[3];
+  const auto dw = maybe(t[2]), db = maybe(t[3]);
   std::vector<paddle::Tensor> out;
   if (!run_released([&] { out = pmg_bind::FusedWgrad(*t[0], *t[1], dw, db, mp, has_bias); }))
     return py_none();
