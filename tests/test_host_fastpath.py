@@ -490,7 +490,7 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
     monkeypatch.setattr(L, "weight_and_bias_grads", general)
     rs = np.random.RandomState(2)
     ours, ref = _layer_pair(True, True, rs)
-    for step in range(2):  # first micro-step (main_grad None), then accumulation
+    for _ in range(2):  # first micro-step (main_grad None), then accumulation
         data = rs.standard_normal([3, 5]).astype("float32")
         xs = [_squares_step(layer, data, fused, x_grad)
               for layer, fused in ((ref, False), (ours, True))]

@@ -130,7 +130,8 @@ def load():
 
 
 def _set_fast(fast):
-    """Install the op library's fast entry (or None): :data:`fast_route` and :func:`cpu_entry`."""
+    """Install the op library's fast entry (or None): :data:`fast_route`, :func:`cpu_entry`,
+    :func:`gpu_entry`."""
     global fast_route
     _state["fast"] = fast
     fast_route = None if fast is None else fast.route
@@ -371,7 +372,7 @@ def cpu_runner(x_name):
     itself before it writes anything, and a caller whose call it refuses takes the checked
     path, which raises the usual error."""
     module = _state["module"]
-    if module is None or not _cpu_ready(x_name):
+    if module is None or not _fast_path_ok(x_name):
         return None
     if _RAW["for"] is not module:
         _RAW.update(run=_raw_runner(), **{"for": module})
@@ -386,7 +387,7 @@ def cpu_entry(x_name):
     entry itself returns None for a tensor that is not dense and contiguous, and when the
     kernel refuses the call (before writing anything)."""
     fast = _state["fast"]
-    if fast is None or not _cpu_ready(x_name):
+    if fast is None or not _fast_path_ok(x_name):
         return None
     return fast
 
@@ -398,15 +399,15 @@ def gpu_entry():
     test replaced a seam.  The kernel checks places, dtypes, shapes and its environment
     settings before it writes anything; the entry returns None when it refuses."""
     fast = _state["fast"]
-    if fast is None or _state["gpu"] != "cuda" or not _cpu_ready(None):
+    if fast is None or _state["gpu"] != "cuda" or not _fast_path_ok(None):
         return None
     return fast
 
 
-def _cpu_ready(x_name) -> bool:
-    """No test seam replaced (the faked devices live there), and every environment knob the
-    CPU op reads for ``x_name`` inputs valid (the checked path raises its EnvError after the
-    input checks)."""
+def _fast_path_ok(x_name) -> bool:
+    """Whether a fast path may run: no test seam replaced (the faked devices live there), and
+    every environment knob the CPU op reads for ``x_name`` inputs valid (the checked path
+    raises its EnvError after the input checks; None: no CPU knob to check)."""
     if _inputs.place is not _PLACE_SEAM or _tier_for is not _TIER_SEAM or _is_gpu is not _GPU_SEAM:
         return False
     knobs = _CPU_KNOBS.get(x_name)

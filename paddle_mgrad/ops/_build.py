@@ -236,8 +236,8 @@ def _import_library(fd, path, key):
 
 
 def _fast_entry(via):
-    """The library's Python fast entry (``csrc/wgrad_pyentry.cc``: ``route``, ``linear_bwd``),
-    or None when this Paddle lacks an accessor it needs.  ``via`` names the file Paddle just
+    """The library's Python fast entry (``csrc/wgrad_pyentry.cc``: ``route``, ``linear_bwd``,
+    ``wgrad_add``), or None when this Paddle lacks an accessor it needs.  ``via`` names the file Paddle just
     loaded: ``dlopen`` finds the same loaded object again."""
     import ctypes
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from script_runs import gloo_refused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
