@@ -200,9 +200,12 @@ PyObject* linear_bwd(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (has_bias < 0) return nullptr;
   const paddle::Tensor* t[5];
   if (!gather(args, 5, 3, t)) return py_none();
+  // copies (a shared reference each): what runs without the GIL owns its tensors, whatever
+  // another thread does to the Python objects meanwhile
+  const paddle::Tensor x = *t[0], dout = *t[1], w = *t[2];
   const auto dw = maybe(t[3]), db = maybe(t[4]);
   std::vector<paddle::Tensor> out;
-  if (!run_released([&] { out = pmg_bind::FusedLinearBwd(*t[0], *t[1], *t[2], dw, db, has_bias); }))
+  if (!run_released([&] { out = pmg_bind::FusedLinearBwd(x, dout, w, dw, db, has_bias); }))
     return py_none();
   return triple(wrap(out[0], true), wrap(out[1], !t[3]), wrap(out[2], has_bias && !t[4]));
 }
@@ -217,9 +220,10 @@ PyObject* wgrad_add(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (mp < 0 || has_bias < 0) return nullptr;
   const paddle::Tensor* t[4];
   if (!gather(args, 4, 2, t)) return py_none();
+  const paddle::Tensor x = *t[0], dout = *t[1];  // (copies: see linear_bwd)
   const auto dw = maybe(t[2]), db = maybe(t[3]);
   std::vector<paddle::Tensor> out;
-  if (!run_released([&] { out = pmg_bind::FusedWgrad(*t[0], *t[1], dw, db, mp, has_bias); }))
+  if (!run_released([&] { out = pmg_bind::FusedWgrad(x, dout, dw, db, mp, has_bias); }))
     return py_none();
   return triple(py_none(), wrap(out[0], !t[2]), wrap(out[1], has_bias && !t[3]));
 }
