@@ -37,8 +37,8 @@
 // accessors used here -- PyCheckTensor, CastPyArg2Tensor, ToPyObject -- but including it pulls
 // in pybind11 (half of a binding's compile time), so they are declared here, weak: a Paddle
 // without one of them leaves the entry unavailable (pmg_fast_module returns None) instead of
-// the library failing to load.  Contiguity is phi::DenseTensorMeta::is_contiguous, Paddle's own
-// rule (exported by 2.6 and 3.x).
+// the library failing to load.  Nothing here includes a phi header beyond paddle/extension.h and
+// paddle/common/ddim.h (phi/core/dense_tensor.h includes cudnn.h in a CUDA build).
 #include <Python.h>
 
 #include <exception>
@@ -48,8 +48,8 @@
 #ifndef PADDLE_NO_PYTHON
 #define PADDLE_NO_PYTHON  // see wgrad_op.cc
 #endif
+#include "paddle/common/ddim.h"  // (Tensor::dims/strides; Paddle 2.6 and 3.x, no CUDA headers)
 #include "paddle/extension.h"
-#include "paddle/phi/core/dense_tensor.h"
 #include "wgrad_op.h"
 
 namespace paddle {
@@ -87,8 +87,20 @@ const paddle::Tensor* dense(PyObject* obj) {
   return t.defined() && t.is_dense_tensor() ? &t : nullptr;  // (no impl: nothing to classify)
 }
 
+// Row-major with no gaps: Paddle's own rule (DenseTensorMeta::is_contiguous, strides equal to
+// those computed from the dims), through the public Tensor API -- paddle/phi/core/dense_tensor.h
+// would pull in cudnn.h in a CUDA build.  A tensor without elements reads no memory.
 bool contiguous(const paddle::Tensor& t) {
-  return static_cast<const phi::DenseTensor*>(t.impl().get())->meta().is_contiguous();
+  if (t.numel() == 0) return true;
+  const auto& dims = t.dims();
+  const auto& strides = t.strides();
+  if (strides.size() != dims.size()) return false;
+  int64_t want = 1;
+  for (int i = dims.size() - 1; i >= 0; --i) {
+    if (strides[i] != want) return false;
+    want *= dims[i];
+  }
+  return true;
 }
 
 PyObject* py_none() {
