@@ -273,14 +273,29 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
     seconds (also with Paddle's own hooks).  3.x: once another thread was seen, our
     dispatcher stays registered, every recompute runs; the process also exits with it still
     registered (the hook left in Paddle's static slot hung the exit).  2.6 (the slot must be
-    emptied): once another thread was seen, non-reentrant recompute raises RecomputeError."""
+    emptied): once another thread was seen, non-reentrant recompute raises RecomputeError.
+
+    The first overlap -- before any other thread was seen -- still touches the slot once
+    (docs/limits.md says so; on 2.6 one probe in ~16 run two at a time crashed there, in a
+    worker's TensorWrapper, 2026-12-02).  So it is staged here: the first worker records
+    autograd while the first recompute is parked inside its block (the slot registered and
+    left alone), and nothing records autograd while that recompute empties the slot.  From
+    then on the threads run freely: the steady state this probe is about."""
     r = _probe("""
         import threading, time
         import paddle, paddle_mgrad
         stop = False
         counts = {"frames": 0, "ops": 0, "refused": 0}
+        inside, seen, staged = threading.Event(), threading.Event(), threading.Event()
         def recomputer():
             w = paddle.randn([4, 4]); w.stop_gradient = False
+            def parked(t):
+                inside.set()
+                assert seen.wait(60)
+                return paddle.tanh(paddle.matmul(t, w))
+            x = paddle.randn([2, 4]); x.stop_gradient = False
+            paddle_mgrad.recompute(parked, x, use_reentrant=False)  # the staged first overlap
+            staged.set()
             while not stop:
                 x = paddle.randn([2, 4]); x.stop_gradient = False
                 f = lambda t: paddle.tanh(paddle.matmul(t, w))
@@ -289,12 +304,18 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
                     counts["frames"] += 1
                 except paddle_mgrad.RecomputeError:
                     counts["refused"] += 1
-        def worker():
+        def worker(first):
             x = paddle.randn([4]); x.stop_gradient = False
+            if first:
+                assert inside.wait(60)
+                (paddle.tanh(x) * x).sum().backward()  # seen by the parked recompute's hooks
+                seen.set()
+            assert staged.wait(60)
             while not stop:
                 (paddle.tanh(x) * x).sum().backward()
                 counts["ops"] += 1
-        ts = [threading.Thread(target=recomputer)] + [threading.Thread(target=worker) for _ in range(2)]
+        ts = [threading.Thread(target=recomputer)] + [threading.Thread(target=worker, args=(i == 0,))
+                                                      for i in range(2)]
         [t.start() for t in ts]
         time.sleep(6)
         stop = True
@@ -304,9 +325,8 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
     assert r.returncode == 0, f"exit {r.returncode} (negative: a signal)\n" + r.stderr[-3000:]
     frames, ops, refused = map(int, r.stdout.split("survived")[1].split())
     assert ops > 0
-    if PADDLE2:  # refused once a worker's save was seen during a recompute (timing; the
-        # refusal itself: test_another_autograd_thread_seen_during_recompute)
-        assert frames + refused > 0
+    if PADDLE2:  # the first worker was seen and lives: every recompute refused, none ran
+        assert refused > 0 and frames == 0
     else:
         assert frames > 0 and refused == 0
 
