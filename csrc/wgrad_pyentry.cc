@@ -1,5 +1,5 @@
-// The Python fast entry of the op library: two CPython functions for the fused linear's hot
-// path (paddle_mgrad/linear.py), reached without Paddle's custom-op dispatch.
+// The Python fast entry of the op library: three CPython functions for the fused linear's hot
+// path (paddle_mgrad/linear.py, paddle_mgrad/ops), reached without Paddle's custom-op dispatch.
 //
 //   route(x, weight, bias, transpose_weight) -> (dtype name, where) | None | False
 //     What linear._route decides from x/weight/bias's meta (type, dense, rank, dtype, shape,
@@ -13,7 +13,7 @@
 //     (attribute reads; the autograd meta's layout is not in Paddle's published headers).
 //
 //   linear_bwd(x, dout, weight, dweight, dbias, has_bias) -> (dx, dweight_out, dbias_out) | None
-//     pmg_fused_linear_bwd's kernel (wgrad_op.cc) called directly: dx = dout . W^T by Paddle's
+//     pmg_bind::FusedLinearBwd (wgrad_op.cc) called directly: dx = dout . W^T by Paddle's
 //     matmul (float32 / float64), the weight/bias gradients accumulated into dweight/dbias, or
 //     into new multi-precision tensors where those are None.
 //   wgrad_add(x, dout, dweight, dbias, multi_precision, has_bias) -> (None, dweight_out, dbias_out)
@@ -31,7 +31,7 @@
 //
 // Why: in a model's step every call from Python into Paddle costs the host about a
 // microsecond, and a custom op's dispatch (_run_custom_op: attribute parsing, AMP and
-// contiguity handling, output wrapping) about 6 us more than Paddle's own operators (issue 23).
+// contiguity handling, output wrapping) about 6-7 us more than Paddle's own operators (issue 23).
 //
 // Paddle side: paddle/utils/pybind.h (Paddle 2.6 and 3.x) publishes the Python tensor's
 // accessors used here -- PyCheckTensor, CastPyArg2Tensor, ToPyObject -- but including it pulls
@@ -245,7 +245,7 @@ PyMethodDef g_methods[] = {
      "linear._route's answer from the tensors' meta in one call (wgrad_pyentry.cc)."},
     {"linear_bwd",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(linear_bwd)), METH_FASTCALL,
-     "pmg_fused_linear_bwd's kernel without the custom-op dispatch (wgrad_pyentry.cc)."},
+     "A float32/float64 CPU linear's backward in one call (wgrad_pyentry.cc)."},
     {"wgrad_add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wgrad_add)),
      METH_FASTCALL,
      "pmg_fused_wgrad_add's kernel without the custom-op dispatch (wgrad_pyentry.cc)."},
