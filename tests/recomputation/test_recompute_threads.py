@@ -284,7 +284,8 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
     r = _probe("""
         import threading, time
         import paddle, paddle_mgrad
-        stop = False
+        stop = False  # the recomputer stops first, the workers after it has ended: the first
+        stop_workers = False  # worker is alive (seen) for as long as anything recomputes
         counts = {"frames": 0, "ops": 0, "refused": 0}
         inside, seen, staged = threading.Event(), threading.Event(), threading.Event()
         def recomputer():
@@ -311,7 +312,7 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
                 (paddle.tanh(x) * x).sum().backward()  # seen by the parked recompute's hooks
                 seen.set()
             assert staged.wait(60)
-            while not stop:
+            while not stop_workers:
                 (paddle.tanh(x) * x).sum().backward()
                 counts["ops"] += 1
         ts = [threading.Thread(target=recomputer)] + [threading.Thread(target=worker, args=(i == 0,))
@@ -319,7 +320,9 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
         [t.start() for t in ts]
         time.sleep(6)
         stop = True
-        [t.join() for t in ts]
+        ts[0].join()
+        stop_workers = True
+        [t.join() for t in ts[1:]]
         print("survived", counts["frames"], counts["ops"], counts["refused"], flush=True)
     """)
     assert r.returncode == 0, f"exit {r.returncode} (negative: a signal)\n" + r.stderr[-3000:]
