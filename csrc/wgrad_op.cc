@@ -311,34 +311,6 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
   return {dw_out, db_out};
 }
 
-}  // namespace pmg_bind
-
-namespace {
-
-using pmg_bind::FusedWgrad;
-
-std::vector<std::vector<int64_t>> FusedWgradInferShape(
-    const std::vector<int64_t>& x_shape, const std::vector<int64_t>& dout_shape,
-    const paddle::optional<std::vector<int64_t>>& dweight_shape,
-    const paddle::optional<std::vector<int64_t>>& dbias_shape, bool multi_precision,
-    bool has_bias) {
-  const int64_t K = x_shape.back(), N = dout_shape.back();
-  return {{K, N}, {has_bias ? N : 1}};
-}
-
-std::vector<paddle::DataType> FusedWgradInferDtype(
-    const paddle::DataType& x_dtype, const paddle::DataType& dout_dtype,
-    const paddle::optional<paddle::DataType>& dweight_dtype,
-    const paddle::optional<paddle::DataType>& dbias_dtype, bool multi_precision,
-    bool has_bias) {
-  const auto acc = acc_dtype(x_dtype, multi_precision);
-  return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
-}
-
-}  // namespace
-
-namespace pmg_bind {
-
 // The whole ordinary backward of y = x . W (+ b) for float32 / float64 CPU tensors in one call
 // (issue 23: in a model's step each dispatch into Paddle from Python costs the host ~10 us, as
 // much as a small layer's GEMMs), the fast entry's linear_bwd (wgrad_pyentry.cc):
@@ -381,6 +353,24 @@ std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle
 }  // namespace pmg_bind
 
 namespace {
+
+std::vector<std::vector<int64_t>> FusedWgradInferShape(
+    const std::vector<int64_t>& x_shape, const std::vector<int64_t>& dout_shape,
+    const paddle::optional<std::vector<int64_t>>& dweight_shape,
+    const paddle::optional<std::vector<int64_t>>& dbias_shape, bool multi_precision,
+    bool has_bias) {
+  const int64_t K = x_shape.back(), N = dout_shape.back();
+  return {{K, N}, {has_bias ? N : 1}};
+}
+
+std::vector<paddle::DataType> FusedWgradInferDtype(
+    const paddle::DataType& x_dtype, const paddle::DataType& dout_dtype,
+    const paddle::optional<paddle::DataType>& dweight_dtype,
+    const paddle::optional<paddle::DataType>& dbias_dtype, bool multi_precision,
+    bool has_bias) {
+  const auto acc = acc_dtype(x_dtype, multi_precision);
+  return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
+}
 
 // A tiny op that reports what runs, as int32[5]:
 //   [0] CPU GEMM compiled in (1 = oneDNN, 0 = portable), [1] CUDA compiled in,

@@ -245,9 +245,9 @@ def _backward_fast(ctx, x, dy, weight, bias):
     ``bias`` (or None) plain dense tensors of one dtype, K, N > 0, on the CPU or on a GPU.
     Here: grad mode off (no ``create_graph``), ``dy`` of that dtype (no autocast), weight and
     bias needing a gradient, each with a ``main_grad`` attribute and no user gradient hook,
-    ``main_grad`` contiguous or None.  Then the op's kernel runs straight into ``main_grad`` (or allocates it: first
-    micro-step) and checks the rest itself before writing anything: the accumulator dtypes
-    (``main_grad`` must be the master-gradient dtype), shapes and places.  For float32 and
+    ``main_grad`` contiguous or None.  Then the op's kernel runs straight into ``main_grad``
+    (or allocates it: first micro-step) and checks the rest itself before writing anything: the
+    accumulator dtypes (``main_grad`` must be the master-gradient dtype), shapes and places.  For float32 and
     float64 the same call also computes ``dx`` (by Paddle's own matmul kernel).  The call goes
     through the op library's fast entry (:func:`paddle_mgrad.ops.cpu_entry`), not Paddle's
     custom-op dispatch: a linear's whole backward is one call from Python.  On a GPU (only

@@ -388,20 +388,10 @@ def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
             np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,x_grad,op", [
-    ("float32", True, "linear_bwd"),   # dx in the same call
-    ("float32", False, "wgrad_add"),   # no dx wanted
-    ("float64", True, "linear_bwd"),
-    ("float64", False, "wgrad_add"),
-])
-def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
-    """A float32/float64 linear's common-case backward is ONE call from Python, into the op
-    library's fast entry: dx too (``linear_bwd``, Paddle's matmul kernel inside); without an
-    input gradient, the weight-gradient kernel.  No custom-op dispatch.  Gradients equal plain
-    Paddle's either way (dx bit for bit: the same matmul kernel)."""
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
-    real = ops.cpu_entry
+def _spy_entry(monkeypatch, getter):
+    """Replace ``ops.<getter>`` (``cpu_entry`` / ``gpu_entry``) so that the fast entry it hands
+    out records each call as ``(function name, whether it took the call)``; returns the record."""
+    real = getattr(ops, getter)
     calls = []
 
     class Spy:
@@ -418,14 +408,32 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
 
             return spy
 
-    def entry(x_name):
-        e = real(x_name)
-        return None if e is None else Spy(e)
+    def spied(*args):
+        entry = real(*args)
+        return None if entry is None else Spy(entry)
+
+    monkeypatch.setattr(ops, getter, spied)
+    return calls
+
+
+@pytest.mark.parametrize("dtype,x_grad,op", [
+    ("float32", True, "linear_bwd"),   # dx in the same call
+    ("float32", False, "wgrad_add"),   # no dx wanted
+    ("float64", True, "linear_bwd"),
+    ("float64", False, "wgrad_add"),
+])
+def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
+    """A float32/float64 linear's common-case backward is ONE call from Python, into the op
+    library's fast entry: dx too (``linear_bwd``, Paddle's matmul kernel inside); without an
+    input gradient, the weight-gradient kernel.  No custom-op dispatch.  Gradients equal plain
+    Paddle's either way (dx bit for bit: the same matmul kernel)."""
+    if ops.load() is None:
+        pytest.skip("C++ op not built")
+    calls = _spy_entry(monkeypatch, "cpu_entry")
 
     def no_runner(*args, **kwargs):
         raise AssertionError("the custom-op dispatch ran")
 
-    monkeypatch.setattr(ops, "cpu_entry", entry)
     monkeypatch.setitem(ops._RAW, "run", no_runner)
     monkeypatch.setitem(ops._RAW, "for", ops._state["module"])
     rs = np.random.RandomState(1)
@@ -463,30 +471,13 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
 
     monkeypatch.setattr(ops, "fast_route", route)
     monkeypatch.setitem(ops._state, "gpu", gpu_tier)
-    real_entry = ops.gpu_entry
-    calls, checked = [], []
-
-    def entry():
-        fast = real_entry()
-        if fast is None:
-            return None
-
-        class Spy:
-            def __getattr__(self, name):
-                def spy(*args):
-                    out = getattr(fast, name)(*args)
-                    calls.append((name, out is not None))
-                    return out
-                return spy
-
-        return Spy()
+    calls, checked = _spy_entry(monkeypatch, "gpu_entry"), []
 
     def general(*args, **kwargs):
         checked.append(True)
         return real_general(*args, **kwargs)
 
     real_general = L.weight_and_bias_grads
-    monkeypatch.setattr(ops, "gpu_entry", entry)
     monkeypatch.setattr(L, "weight_and_bias_grads", general)
     rs = np.random.RandomState(2)
     ours, ref = _layer_pair(True, True, rs)

@@ -454,24 +454,25 @@ def _fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=No
         x = _contiguous(x)
     if not dout.is_contiguous():
         dout = _contiguous(dout)
+    # the op library's fast entry (no custom-op dispatch, no autograd node); None when it has
+    # none or refused the call before writing: then the op's own call, which raises
     fast = _state["fast"]
     done = None if fast is None else fast.wgrad_add(x, dout, dweight, dbias, multi_precision,
                                                     has_bias)
-    if done is not None:  # (None: refused before writing; the op's call below raises)
-        _, dw, db = done
-        return (dweight if dweight is not None else dw,
-                None if not has_bias else (dbias if dbias is not None else db))
-    try:
-        if _tracer()._has_grad:
-            with paddle.no_grad():
+    if done is not None:
+        _, dw, db = done  # (None for an accumulator passed in: handed back below)
+    else:
+        try:
+            if _tracer()._has_grad:
+                with paddle.no_grad():
+                    dw, db = run("pmg_fused_wgrad_add", x, dout, dweight, dbias,
+                                 multi_precision, has_bias)
+            else:  # a backward pass (or no_grad already): nothing to switch
                 dw, db = run("pmg_fused_wgrad_add", x, dout, dweight, dbias, multi_precision,
                              has_bias)
-        else:  # a backward pass (or no_grad already): nothing to switch
-            dw, db = run("pmg_fused_wgrad_add", x, dout, dweight, dbias, multi_precision,
-                         has_bias)
-    except Exception:
-        _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)  # our error text
-        raise
+        except Exception:
+            _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)  # our error text
+            raise
     if dweight is not None:
         dw = dweight  # the op wrote into dweight's allocation; hand back the caller's object
     if not has_bias:
