@@ -584,20 +584,28 @@ def _recomputed_linear(x, weight, bias, pack):
 
     The recomputed graph is never back-propagated (the forward's graph is: its node of our
     linear unpacks the recomputed ``x``); all a recomputation needs are the tensors the block
-    saves, in the forward's order.  Our ``PyLayer`` saves one, ``x``, through
-    ``save_for_backward`` (its forward runs with grad off, so Paddle's linear inside saves
-    nothing).  So: Paddle's linear with grad off, ``x`` handed to the recomputation's pack hook,
-    and an output that needs a gradient, so that the rest of the block saves what it saved in
-    the forward."""
+    saves, in the forward's order, computed from the same values.  Our ``PyLayer`` saves one,
+    ``x``, through ``save_for_backward`` (its forward runs with grad off, so Paddle's linear
+    inside saves nothing).  So: Paddle's linear with grad off, and ``x`` handed to the
+    recomputation's pack hook.
+
+    The output must then behave as the ``PyLayer``'s did for the rest of the block: need a
+    gradient (so that the ops after it save what they saved in the forward) *and* be no leaf.
+    A leaf that needs a gradient refuses every in-place op ("Leaf Var () that doesn't stop
+    gradient can't use inplace strategy"), and models do in-place ops on a linear's output:
+    fleet's ``RowParallelLinear`` all-reduces it in place, PaddleFormers' families add to it.
+    A view of it taken with grad on (``reshape`` to its own shape: no copy, and a node that
+    saves nothing, so the pack hook sees nothing of it) is such a non-leaf."""
     tr = _global_var._dygraph_tracer_
+    has_grad = tr._has_grad  # (on: _route saw it)
     tr._has_grad = False
     try:
         y = _paddle_linear(x, weight, bias)
     finally:
-        tr._has_grad = True  # (a recomputation runs with grad on: _route saw it)
+        tr._has_grad = has_grad
     pack(x)
     y.stop_gradient = False
-    return y
+    return _C_ops.reshape(y, y.shape)
 
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):

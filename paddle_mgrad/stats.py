@@ -16,9 +16,12 @@ _lock = threading.Lock()
 #: calls of paddle_mgrad.recompute by mode, of fleet's recompute_hybrid (ours), and
 #: recomputations run in backward; ``reentrant_as_non_reentrant``: of the reentrant and
 #: hybrid calls, those whose arguments needed no gradient, run non-reentrant
-#: (:mod:`paddle_mgrad.recomputation.reentrant`)
+#: (:mod:`paddle_mgrad.recomputation.reentrant`); ``kept_from_forward``: non-reentrant calls
+#: whose block changed one of its own tensor arguments in place, whose saved tensors were
+#: therefore kept from the forward and are never recomputed
+#: (:mod:`paddle_mgrad.recomputation.non_reentrant`)
 recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0,
-             "reentrant_as_non_reentrant": 0}
+             "reentrant_as_non_reentrant": 0, "kept_from_forward": 0}
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the
 #: op accumulated into main_grad, of those the zero-bubble deferred weight gradients

@@ -9,7 +9,8 @@ record a :class:`~paddle_mgrad.RecomputeError` or
 :class:`~paddle_mgrad.FusedLinearError` before raising it, and thin wrappers
 around ``Tensor.backward`` and ``paddle.autograd.backward`` (and, through
 :func:`run`, ``paddle.grad``: :mod:`paddle_mgrad.autograd.passes`) re-raise the
-recorded error (chained to Paddle's) and switch grad mode back on.
+recorded error (chained to Paddle's), and after *any* error -- ours, Paddle's,
+the user's -- put grad mode back as it was before the pass.
 
 Each wrapper also pushes the kind of pass it starts on a per-thread stack that
 :func:`current_pass` reads: ``None`` for an ordinary ``backward()`` (gradients
@@ -61,11 +62,14 @@ def run(orig, args, kwargs, kind=None):
     has_grad = tracer()._has_grad
     try:
         return orig(*args, **kwargs)
-    except Exception as e:
-        err = getattr(_state, "error", None)
-        if err is None or e is err:
-            raise
+    except BaseException as e:
+        # Paddle's engine leaves grad mode off after an error raised inside it (an unpack
+        # hook's recomputation, a PyLayer's backward): every later step of the process would
+        # record no graph and train nothing, silently.  Whatever raised, grad mode is as before.
         tracer()._has_grad = has_grad
+        err = getattr(_state, "error", None)
+        if err is None or e is err or not isinstance(e, Exception):
+            raise
         raise err from e
     finally:
         stack.pop()

@@ -23,6 +23,16 @@ backward has it, so recomputed activations are freed as early as Paddle's own, a
 a holder whose graph node died never keeps a recomputed tensor alive (it dies with
 the holder).
 
+**A block that changes its own input in place** (``x.add_(...)`` on a tensor argument):
+a recomputation would start from the changed value and reproduce other activations (plain
+Paddle's non-reentrant recompute computes wrong gradients there, silently).  So during the
+forward every holder also references its tensor, and when the forward returns, the tensor
+arguments' inplace versions tell: unchanged (the usual case), the empty holders let go of
+their tensors -- dropped as before; changed, every holder is kept, the block is never
+recomputed, and backward sees exactly what it would see without recompute
+(``stats.recompute["kept_from_forward"]`` counts these calls).  Holding the block's saved
+tensors until its forward returns costs what its recomputation costs in backward anyway.
+
 The forward records each saved tensor's shape and dtype; recomputation checks
 them, and a different count, shape or dtype raises :class:`RecomputeError`
 naming the tensor, where Paddle silently computes wrong gradients.  With
@@ -59,9 +69,10 @@ from .tensors import (
 class _Holder:
     """What autograd keeps instead of a saved tensor (see module docstring).
 
-    ``value``: a kept holder's object; an empty holder's recomputed view while it waits for
-    its unpack (None before the recomputation and after the unpack: a dropped activation is
-    never None, :meth:`_Frame._keep` keeps None)."""
+    ``value``: a kept holder's object; an empty holder's tensor until the forward returns
+    (:meth:`_Frame.forward_done`), then its recomputed view while it waits for its unpack
+    (None before the recomputation and after the unpack: a dropped activation is never None,
+    :meth:`_Frame._keep` keeps None)."""
 
     __slots__ = ("index", "kept", "value", "for_op", "__weakref__")
 
@@ -86,7 +97,9 @@ class _Frame:
         self.kwargs = kwargs
         self.rng = _rng.capture() if preserve_rng_state else None
         self.amp = _amp.capture()
-        self.arg_ids = {id(t) for t in iter_tensors((args, kwargs))}
+        self.arg_tensors = list(iter_tensors((args, kwargs)))
+        self.arg_ids = {id(t) for t in self.arg_tensors}
+        self.arg_versions = [t._inplace_version() for t in self.arg_tensors]
         self.specs: list = []
         self.holders: list = []
 
@@ -101,7 +114,8 @@ class _Frame:
     def pack(self, x):
         kept = self._keep(x)
         for_op = IS_PADDLE_2 and not _hooks.in_pylayer_save()
-        holder = _Holder(len(self.specs), kept, x if kept else None, for_op)
+        # (an empty holder holds its tensor until the forward returns: :meth:`forward_done`)
+        holder = _Holder(len(self.specs), kept, x, for_op)
         if self.check == "values" and not kept:
             fp = fingerprint(x)
             if fp is not None:
@@ -128,6 +142,25 @@ class _Frame:
             raise
         value, holder.value = holder.value, None  # backward has it: freed with its use
         return value
+
+    def forward_done(self):
+        """The block's forward returned: drop what recomputation will reproduce -- unless the
+        block changed one of its tensor arguments in place, when recomputation could not
+        reproduce it: then every saved tensor is kept (module docstring)."""
+        changed = any(t._inplace_version() != v
+                      for t, v in zip(self.arg_tensors, self.arg_versions))
+        if changed:
+            stats.bump(stats.recompute, "kept_from_forward")
+            self.prints.clear()
+        for ref in self.holders:
+            holder = ref()
+            if holder is None or holder.kept:
+                continue
+            if changed:
+                holder.kept = True
+            else:
+                holder.value = None
+        self.arg_tensors = None  # (the arguments themselves stay in self.args)
 
     # -- backward ----------------------------------------------------------
     def rerun(self):
@@ -231,4 +264,6 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes"):
     with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py
         frame = _Frame(function, args, kwargs, preserve_rng_state, check)
         with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None):
-            return function(*args, **kwargs)
+            outputs = function(*args, **kwargs)
+        frame.forward_done()
+        return outputs

@@ -26,6 +26,10 @@ with nothing to train builds no graph, saves nothing and is never recomputed.
 differentiable and re-run it in backward for nothing.)  ``offload_indices`` does
 not apply to such a call: its arguments are kept where they are.
 
+A block that changes one of its tensor arguments in place raises
+:class:`RecomputeError` when its forward returns: the re-run would start from the
+changed value (use ``use_reentrant=False``, which keeps such a block's activations).
+
 An output that *is* one of the block's inputs (a block returning its residual)
 gets its gradient added to that input's in backward, not by back-propagating
 from it (see :meth:`_ReentrantRecompute.backward`).
@@ -171,6 +175,25 @@ def _check_outputs(function, forward, recomputed):
         raise err
 
 
+def _check_inputs_unchanged(function, tensors, versions):
+    """Raise RecomputeError if the block changed one of its tensor arguments in place.
+
+    The re-run in backward would start from the changed value and build another graph than
+    the forward's: wrong gradients (plain Paddle's reentrant recompute raises an in-place
+    error in backward, or -- ``paddle.assign(..., output=x)`` -- computes them wrong).  The
+    non-reentrant mode keeps such a block's activations from the forward instead
+    (:mod:`.non_reentrant`)."""
+    for k, (t, v) in enumerate(zip(tensors, versions)):
+        if t._inplace_version() != v:
+            raise RecomputeError(
+                f"recompute({function_name(function)}, use_reentrant=True): the block changed "
+                f"its tensor argument #{k} (shape={list(t.shape)}, dtype={t.dtype}) in place. "
+                "A reentrant recompute re-runs the block in backward from the changed value, so "
+                "its gradients would be wrong. Use use_reentrant=False (paddle_mgrad then keeps "
+                "this block's activations from the forward), clone the argument inside the "
+                "block before changing it, or move the in-place op out of the block.")
+
+
 def _reuse_error(layer):
     return RecomputeError(
         f"paddle_mgrad: a backward pass reached {layer} whose backward already ran in an earlier "
@@ -226,9 +249,11 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         ctx.amp = _amp.capture()
         ctx.n_anchor = len(tensors) - n_tensors
         tensors = tensors[:n_tensors]
+        versions = [t._inplace_version() for t in tensors]
         with _rng.exclusive(preserve_rng_state), paddle.no_grad():  # see rng.py
             ctx.rng = _rng.capture() if preserve_rng_state else None
             outputs = run_function(*[_decode(e, tensors) for e in layout], **kwargs)
+        _check_inputs_unchanged(run_function, tensors, versions)
         if isinstance(outputs, dict):
             # a PyLayer returns tensors, or tuples/lists of them: hand back the values,
             # run() rebuilds the dict (plain Paddle raises "At least one output ...")
