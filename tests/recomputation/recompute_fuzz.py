@@ -4,8 +4,10 @@ A :class:`Case` (drawn by hypothesis from :func:`cases`) describes a small model
 a training loop calls it: which block inputs need a gradient, which parameters are frozen
 at each micro-step, tied weights, a layer used twice, ``paddle.no_grad()`` regions,
 non-tensor positional/keyword arguments, the block's output structure (tensor, tuple with
-None, dict, its own input, views of it), a nested recompute of another mode, dropout, and
-``MixPrecisionLayer`` on none / part / all of the model.  :func:`run_case` trains it for
+None, dict, its own input, views of it), a nested recompute of another mode, dropout, in-place
+ops (:data:`in_place_ops.IN_PLACE`, one kind per case) on a linear's output -- fleet's in-place
+all-reduce after its row-parallel linear among them -- on an intermediate value and on the
+block's own input, and ``MixPrecisionLayer`` on none / part / all of the model.  :func:`run_case` trains it for
 the drawn micro-steps, accumulating ``.grad`` / ``main_grad``, with recompute ``"none"``,
 ``"reentrant"``, ``"non_reentrant"`` (ours) or ``"native_*"`` (Paddle's own, unpatched),
 and returns every output and every gradient, so that the test can compare a recomputed
@@ -20,6 +22,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 from hypothesis import strategies as st
+from in_place_ops import IN_PLACE
 from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
@@ -29,7 +32,7 @@ D = 4  # feature width: tiny, the point is the graph, not the numbers
 
 #: block body operations (see Net.body)
 OPS = ("lin_a", "lin_b", "twice", "tanh", "no_grad", "add_x1", "pair", "scale", "dropout",
-       "nested", "param_arg")
+       "nested", "param_arg", "ip_linear", "ip_mid")
 #: output structures of the block (see Net.outputs)
 OUTS = ("tensor", "tuple_none", "dict", "input", "view", "input_only")
 PARAMS = ("pre.weight", "pre.bias", "lin_a.weight", "lin_a.bias", "lin_b.weight", "lin_b.bias",
@@ -53,6 +56,14 @@ class Case:
     scale: float                      # non-tensor positional argument
     shift_kw: float                   # non-tensor keyword argument
     seed: int
+    in_place: str = "add_"            # the kind of the in-place ops (IN_PLACE key)
+    ip_input: bool = False            # the block starts with that op on its input x0
+
+    @property
+    def changes_input(self):
+        """Whether the block changes its input in place (not on a leaf that needs a gradient:
+        Paddle refuses that without recompute too)."""
+        return self.ip_input and self.x0_source != "leaf_grad"
 
     @property
     def micro(self):
@@ -81,6 +92,8 @@ def cases(draw):
         scale=draw(st.sampled_from((0.5, 1.0, 2.0))),
         shift_kw=draw(st.sampled_from((0.0, 0.25))),
         seed=draw(st.integers(0, 2**16)),
+        in_place=draw(st.sampled_from(sorted(IN_PLACE))),
+        ip_input=draw(st.sampled_from((False,) * 5 + (True,))),
     )
 
 
@@ -110,6 +123,9 @@ class Net(paddle.nn.Layer):
         return paddle.tanh(self.lin_b(h)) * k
 
     def body(self, x0, scale, x1, pair, extra, shift=0.0):
+        in_place = IN_PLACE[self.case.in_place]
+        if self.case.changes_input:
+            x0 = in_place(x0)
         h = x0
         for op in self.case.ops:
             if op == "lin_a":
@@ -136,6 +152,10 @@ class Net(paddle.nn.Layer):
                 h = self.rc(self.inner, h, 0.5, use_reentrant=self.case.nested_mode == "reentrant")
             elif op == "param_arg":
                 h = paddle.matmul(h, extra)
+            elif op == "ip_linear":      # an in-place op on a linear's output
+                h = in_place(self.lin_b(h))
+            elif op == "ip_mid":         # ... on an intermediate value (a scale saves nothing)
+                h = in_place(h * 1.25)
         return self.outputs(h, x0)
 
     def outputs(self, h, x0):
