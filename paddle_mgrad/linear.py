@@ -161,7 +161,13 @@ def stash_for_backward(ctx, x, weight, bias, p_name=None):
     as the real objects, out of reach of saved-tensor hooks (module docstring).  ``p_name``:
     the dtype name of ``weight`` and ``bias`` when the caller knows it.
     """
-    check_main_grads(weight, bias, p_name)
+    try:
+        check_main_grads(weight, bias, p_name)
+    except FusedLinearError as e:
+        # a forward re-run by a recomputation runs in backward: the error reaches the caller
+        # of backward() as itself, not as Paddle's OSError
+        backward_errors.record(e)
+        raise
     if not registry.all_installed(_STASH_KEYS):  # one set operation once all are in
         backward_errors.install()  # a FusedLinearError in backward keeps its type; paddle.grad
         registry.ensure("Tensor.register_hook")  # fused_linear without enable()
@@ -545,9 +551,11 @@ def _route_meta(x, weight, bias, transpose_weight):
     if place != weight._place_str:
         return None
     if x_shape[-1] != k:
-        raise FusedLinearError(
+        error = FusedLinearError(
             f"fused_linear: x {list(x_shape)} does not match weight {list(w_shape)} "
             f"(x's last dim must be {k})")
+        backward_errors.record(error)  # (in a recomputation: see stash_for_backward)
+        raise error
     if k <= 0 or n <= 0:
         return x_name, None
     if place == _CPU_PLACE:

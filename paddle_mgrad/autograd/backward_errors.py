@@ -37,7 +37,9 @@ _state = threading.local()
 
 
 def record(error: BaseException):
-    if getattr(_state, "error", None) is None:
+    """Keep ``error`` (the first one) to re-raise as itself when the running pass ends; outside
+    a wrapped pass nobody would, and nothing is kept."""
+    if getattr(_state, "depth", 0) and getattr(_state, "error", None) is None:
         _state.error = error
 
 

@@ -1,0 +1,213 @@
+"""Train one tiny PaddleFormers 1.2.0 causal-LM family (tests/formers/families.py) with
+paddle_mgrad switched on, in one process, without and with full recompute, and write what
+test_families.py compares:
+
+    python train_family.py FAMILY OUT_DIR
+
+Modes (each on a fresh model with the same initial parameters, the same 2 micro-batches, both
+micro-steps accumulated into fp32 ``main_grad`` by ``MixPrecisionLayer`` and our fused linear):
+
+* ``none``: ``recompute_granularity=None`` (the reference);
+* ``reentrant`` / ``non_reentrant``: ``recompute_granularity="full"`` (every decoder layer and
+  the loss recomputed), ``recompute_use_reentrant`` True / False;
+* ``<mode>_after_error``: as ``<mode>``, after a first micro-step whose recomputation of decoder
+  layer 0 raised in backward (an injected error, caught here): grad mode must be back on and
+  the training that follows must equal ``none``.
+
+Most families call Paddle's ``recompute`` without ``use_reentrant`` (always reentrant, see
+families.py): to run them non-reentrant this driver rebinds the ``recompute`` name of every
+PaddleFormers module that imported it to a wrapper that passes the mode when the caller does
+not (TEST-ONLY: the only way to exercise ``use_reentrant=False`` in those families, where the
+regression of 4f8232a~1 broke training).  A caller that passes its own mode keeps it; the
+wrapper counts both kinds of call per module.
+
+OUT_DIR gets ``result.json`` (losses, counters, errors per mode) and ``<mode>.npz`` (every
+trainable parameter's ``main_grad``, by structured name).  Exit code 0 even when a mode
+failed: the test reads the errors.
+"""
+import argparse
+import importlib
+import json
+import os
+import sys
+import traceback
+import zlib  # noqa: F401  (harmless on 3.x; Paddle 2.6 needs it before paddle)
+
+import numpy as np
+import paddle
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+import paddle_mgrad
+from paddle_mgrad import stats
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from families import COMMON, FAMILIES  # noqa: E402  (next to this file)
+from family_standins import paddlefleet_import_standins  # noqa: E402
+
+SEED, BATCH, SEQ, MICRO = 42, 2, 16, 2
+RECOMPUTE_MODES = ("reentrant", "non_reentrant")
+MODES = ("none", *RECOMPUTE_MODES, *(m + "_after_error" for m in RECOMPUTE_MODES))
+INJECTED = "injected error in decoder layer 0's recomputation (test)"
+
+
+class ForcedMode:
+    """The ``recompute`` wrapper's state and counts (module docstring)."""
+
+    use_reentrant = None
+    calls: dict = {}  # module name -> {"forced": n, "passed": n, "passed_other": n}
+
+    @classmethod
+    def wrap(cls, module, recompute):
+        name = module.__name__
+
+        def recompute_in_test_mode(function, *args, **kwargs):
+            counts = cls.calls.setdefault(name, {"forced": 0, "passed": 0, "passed_other": 0})
+            if "use_reentrant" in kwargs:
+                counts["passed" if kwargs["use_reentrant"] == cls.use_reentrant
+                       else "passed_other"] += 1
+            else:
+                counts["forced"] += 1
+                kwargs["use_reentrant"] = cls.use_reentrant
+            return recompute(function, *args, **kwargs)
+
+        module.recompute = recompute_in_test_mode
+
+
+def import_family(family):
+    pkg, config_name, model_name = FAMILIES[family][:3]
+    base = f"paddleformers.transformers.{pkg}"
+    config_cls = getattr(importlib.import_module(base + ".configuration"), config_name)
+    model_cls = getattr(importlib.import_module(base + ".modeling"), model_name)
+    importlib.import_module("paddleformers.nn.criterion.sft_loss")  # the loss's recompute
+    # Paddle's recompute: paddle_mgrad swapped its code, every alias is this one object
+    from paddle.distributed.fleet.recompute.recompute import recompute
+
+    for name, module in sorted(sys.modules.items()):
+        if name.startswith("paddleformers.") and getattr(module, "recompute", None) is recompute:
+            ForcedMode.wrap(module, recompute)
+    return config_cls, model_cls
+
+
+def build(config_cls, model_cls, family, mode, initial):
+    config = config_cls(**COMMON, **FAMILIES[family][3])
+    recompute = mode != "none"
+    config.recompute_granularity = "full" if recompute else None
+    config.recompute_method = "uniform"
+    config.recompute_num_layers = 1
+    config.recompute_use_reentrant = mode.startswith("reentrant")
+    ForcedMode.use_reentrant = config.recompute_use_reentrant
+    paddle.seed(SEED)
+    model = model_cls(config)
+    if initial is not None:
+        model.set_state_dict(initial)
+    model.train()
+    return model, MixPrecisionLayer(model, dtype="bfloat16")  # fp32 params, fp32 main_grad
+
+
+def batches():
+    rng = np.random.default_rng(1234)
+    rows = rng.integers(0, COMMON["vocab_size"], size=(MICRO, BATCH, SEQ + 1))
+    return [(paddle.to_tensor(r[:, :-1]), paddle.to_tensor(r[:, 1:])) for r in rows]
+
+
+def micro_step(wrapped, ids, labels):
+    out = wrapped(input_ids=ids, labels=labels)
+    loss = out[0] if isinstance(out, (tuple, list)) else out.loss
+    loss.backward()
+    return float(loss)
+
+
+def decoder_layer(model):
+    return next(layer for layer in model.sublayers() if type(layer).__name__.endswith("DecoderLayer"))
+
+
+def inject_replay_error(model):
+    """Make decoder layer 0 raise on its second call of the micro-step (its recomputation in
+    backward); returns a function that removes it."""
+    layer = decoder_layer(model)
+    forward, calls = layer.forward, [0]
+
+    def failing_on_replay(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError(INJECTED)
+        return forward(*args, **kwargs)
+
+    layer.forward = failing_on_replay
+    return lambda: delattr(layer, "forward")
+
+
+def run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
+    stats.reset()
+    model, wrapped = build(config_cls, model_cls, family, mode, initial)
+    result = {}
+    if mode.endswith("_after_error"):
+        remove = inject_replay_error(model)
+        try:
+            micro_step(wrapped, *data[0])
+            result["injected_error"] = None  # (the test fails on this: nothing raised)
+        except Exception as e:  # what the user's training loop would catch
+            result["injected_error"] = f"{type(e).__name__}: {e}"
+        remove()
+        result["grad_enabled_after_error"] = paddle.is_grad_enabled()
+        for p in model.parameters():  # a new accumulation: the failed step's partial sums go
+            if not p.stop_gradient:
+                p.main_grad = None
+    result["losses"] = [micro_step(wrapped, ids, labels) for ids, labels in data]
+    result["grad_enabled"] = paddle.is_grad_enabled()
+    grads, result["no_main_grad"], result["grad_not_none"], dtypes = {}, [], [], set()
+    for name, p in model.named_parameters():
+        if p.stop_gradient:
+            continue
+        if p.grad is not None:
+            result["grad_not_none"].append(name)
+        if getattr(p, "main_grad", None) is None:
+            result["no_main_grad"].append(name)
+        else:
+            grads[name] = p.main_grad.numpy()
+            dtypes.add(str(p.main_grad.dtype))
+    result["trainable"] = sum(1 for p in model.parameters() if not p.stop_gradient)
+    result["main_grad_dtypes"] = sorted(dtypes)
+    snap = stats.snapshot()
+    result["recompute"], result["linear"] = snap["recompute"], snap["linear"]
+    np.savez(os.path.join(out_dir, f"{mode}.npz"), **grads)
+    return model, result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("family", choices=sorted(FAMILIES))
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    paddle.set_device("cpu")
+    paddle_mgrad.enable(recompute=True, fused_linear=True)  # before the model code imports
+    report = {"paddle_mgrad_file": paddle_mgrad.__file__, "paddle": paddle.__version__,
+              "standins": paddlefleet_import_standins(), "modes": {}}
+    import paddleformers
+
+    report["paddleformers"] = paddleformers.__version__
+    config_cls, model_cls = import_family(args.family)
+    initial, data = None, batches()
+    for mode in MODES:
+        ForcedMode.calls = {}
+        try:
+            model, result = run_mode(config_cls, model_cls, args.family, mode, initial, data,
+                                     args.out_dir)
+            if initial is None:
+                initial = {k: v.numpy() for k, v in model.state_dict().items()}
+        except Exception as e:
+            result = {"error": f"{type(e).__name__}: {e}",
+                      "traceback": traceback.format_exc()[-6000:],
+                      "grad_enabled": paddle.is_grad_enabled()}
+            paddle.set_grad_enabled(True)  # (so that the next mode shows its own outcome)
+        result["recompute_calls"] = ForcedMode.calls
+        report["modes"][mode] = result
+        print(f"{args.family} {mode}: {result.get('error') or result['losses']}", flush=True)
+    with open(os.path.join(args.out_dir, "result.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
