@@ -153,8 +153,12 @@ def fleet(session, paddle):
     """tests/fleet/launch: fleet hybrid parallel with 2 gloo ranks (TP2, TP2+SP,
     TP2+mp_async_allreduce, TP2+mp_fused_linear_param_grad_add, TP2+SP+sp_async_reduce_scatter
     (3.x, with and without the fused op), sharding stage1, PP2, PP2 with recompute_interval)
-    against a one-process run, PaddleNLP 2.8.1's tiny llama; and Paddle 3.x's zero-bubble
-    DualPipeV schedule (deferred weight gradients through our op) against a one-process run."""
+    against a one-process run, PaddleNLP 2.8.1's tiny llama, both recompute modes; PaddleNLP's
+    ``llm/run_pretrain.py`` through PADDLE_MGRAD=all on the same 2-rank paths (TP2 async
+    all-reduce with and without the fused op, TP2+SP, PP2 llama, PP2 qwen with
+    recompute_hybrid, sharding stage1), both ``--recompute_use_reentrant`` modes, loss for loss
+    against one plain process; and Paddle 3.x's zero-bubble DualPipeV schedule (deferred weight
+    gradients through our op) against a one-process run."""
     _install(session, paddle, NLP_PINS)
     session.run(*PYTEST, *XDIST, "tests/fleet/launch", *session.posargs, env=ENV)
 
@@ -174,7 +178,9 @@ def nlp_fleet(session, paddle):
 @_frees_venv
 def formers(session):
     """PaddleFormers 1.2.0 (Paddle 3.x users' trainer): its own Trainer/TrainingArguments and a
-    tiny llama with amp_master_grad + full recompute, PADDLE_MGRAD=all against plain Paddle."""
+    tiny llama with amp_master_grad + full recompute, PADDLE_MGRAD=all against plain Paddle; and
+    every causal-LM family that runs on a CPU (tests/formers/test_families.py), full recompute
+    in both modes, bit-identical to its own run without recompute."""
     _install(session, "3.3.1", FORMERS_PINS)
     session.run(*PYTEST, *XDIST, "tests/formers", *session.posargs, env=ENV)
 

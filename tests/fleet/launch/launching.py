@@ -74,14 +74,14 @@ def _run_once(cmd, out, what, timeout):
     return proc.returncode, output
 
 
-def launch_two_ranks(driver, config, out, ref, timeout):
-    """``driver --config config --out out --ref ref`` on 2 ranks; returns the [rank0, rank1]
-    results (``out/rank<r>.json``)."""
+def launch_two_ranks(driver, config, out, ref, timeout, extra=()):
+    """``driver --config config --out out --ref ref *extra`` on 2 ranks; returns the [rank0,
+    rank1] results (``out/rank<r>.json``)."""
     import json
 
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
            os.path.join(out, "log"), "--nproc_per_node", "2", driver, "--config", config,
-           "--out", out, "--ref", ref]
+           "--out", out, "--ref", ref, *extra]
     run(cmd, out, f"{config} (2 ranks)", timeout)
     results = []
     for rank in (0, 1):

@@ -1,14 +1,17 @@
 """2 gloo ranks, fleet hybrid parallel, all of paddle_mgrad on (see train_hybrid.py).
 
-Each configuration is compared with a one-process plain-Paddle run of the same global
-batch: losses of 3 steps (2 micro-steps each) within 1e-5, fp32 ``main_grad`` after step 0
-equal to the reference gradient (each rank's shard) within 1e-5 -- a gradient lost or
-added twice would not be --, no parameter with its gradient elsewhere, and paddle_mgrad's
+Each configuration (the llama ones in both recompute modes, ``--recompute_use_reentrant``)
+is compared with a one-process plain-Paddle run of the same global batch: losses of 3 steps
+(2 micro-steps each) within 1e-5, fp32 ``main_grad`` after step 0 equal to the reference
+gradient (each rank's shard) within 1e-5 -- a gradient lost or added twice would not be --,
+no parameter with its gradient elsewhere, and paddle_mgrad's
 counters showing that our recompute / fused op / overlap linear ran as often as the model
 has such calls (nothing silently bypassed).
 
 Needs PaddleNLP 2.8.1 (``nox -s fleet``).  Paddle's missing CPU pieces are stood in for by
-``cpu_fleet_standins.py`` (test-only).
+``cpu_fleet_standins.py`` (test-only; transport only: Paddle's own PyLayers run, fleet's
+in-place all-reduce after ``RowParallelLinear``'s linear included).  The same paths through
+PaddleNLP's Trainer and ``llm/run_pretrain.py``: test_llm_script_parallel.py.
 """
 import json
 import os
@@ -48,8 +51,9 @@ def reference(tmp_path_factory):
     return get
 
 
-def launch(tmp_path, config, ref):
-    return launch_two_ranks(DRIVER, config, str(tmp_path / config), ref, TIMEOUT)
+def launch(tmp_path, config, ref, mode):
+    extra = ["--recompute_use_reentrant", "true" if mode == "reentrant" else "false"]
+    return launch_two_ranks(DRIVER, config, str(tmp_path / config), ref, TIMEOUT, extra)
 
 
 MICRO = ACC * STEPS
@@ -91,17 +95,23 @@ def _skip_sp_overlap_on_paddle2():
     assert has_class and has_flag, paddle.__version__
 
 
-@pytest.mark.parametrize("config", list(CASES))
-def test_two_ranks_match_one_process(config, reference, tmp_path):
+# the llama decoder layers' recompute mode; pp2_interval runs fleet's recompute_hybrid (a
+# PyLayer without use_reentrant): one mode
+RUNS = [(c, m) for c in CASES for m in (("non_reentrant",) if c == "pp2_interval"
+                                        else ("non_reentrant", "reentrant"))]
+
+
+@pytest.mark.parametrize("config,mode", RUNS, ids=[f"{c}-{m}" for c, m in RUNS])
+def test_two_ranks_match_one_process(config, mode, reference, tmp_path):
     if config in SP_OVERLAP:
         _skip_sp_overlap_on_paddle2()
-    results = launch(tmp_path, config, reference(CASES[config]))
-    print("\n" + config + ": " + json.dumps(
+    results = launch(tmp_path, config, reference(CASES[config]), mode)
+    print("\n" + config + " " + mode + ": " + json.dumps(
         [{k: r[k] for k in ("rank", "paddle", "loss_diff", "grad_diff", "recompute", "linear",
                             "paddle_c_ops")}
          for r in results]))
     for r in results:
-        where = f"{config} rank {r['rank']}"
+        where = f"{config} {mode} rank {r['rank']}"
         assert r["loss_diff"] <= TOL, (where, r["losses"], r["ref_losses"])
         assert r["grad_diff"] is not None and r["grad_diff"] <= TOL, where
         assert r["n_params"] > 0 and r["not_in_main_grad"] == [], where
@@ -117,10 +127,11 @@ def test_two_ranks_match_one_process(config, reference, tmp_path):
             # recompute_interval=1: every block with parameters and a grad-needing input
             assert rc["hybrid"] > 0 and rc["recomputations"] == rc["hybrid"], (where, rc)
             assert rc["hybrid"] % MICRO == 0, (where, rc)
-            assert rc["non_reentrant"] == 0, (where, rc)
+            assert rc["non_reentrant"] == rc["reentrant"] == 0, (where, rc)
         else:
             layers = LAYERS // 2 if config == "pp2" else LAYERS
-            assert rc["non_reentrant"] == layers * MICRO, (where, rc)
+            assert r["reentrant"] == (mode == "reentrant"), where
+            assert rc[mode] == layers * MICRO, (where, rc)
             assert rc["recomputations"] == layers * MICRO, (where, rc)
         lin = r["linear"]
         if config in ("tp2_async", "tp2_fused_gradadd"):

@@ -2,12 +2,14 @@
 
     python tests/fleet/launch/train_hybrid.py --config ref_llama --out DIR        # 1 process, plain Paddle
     python -m paddle.distributed.launch --nproc_per_node 2 tests/fleet/launch/train_hybrid.py --config tp2 --out DIR
+    ... --config tp2 --out DIR --recompute_use_reentrant true   # the reentrant recompute instead
 
 It does in code what PaddleNLP's Trainer does with ``--amp_master_grad --bf16
 --fp16_opt_level O2 --recompute --recompute_granularity full --recompute_use_reentrant false
 --enable_linear_fused_grad_add`` (fleet hybrid strategy, ``MixPrecisionLayer`` +
 ``MixPrecisionOptimizer``, ``auto_cast`` O2 bf16 -- a no-op on CPU, the model stays fp32 --,
-``config.recompute`` full non-reentrant, ``paddle_mgrad.enable(recompute=True, fused_linear=True)``)
+``config.recompute`` full non-reentrant (``--recompute_use_reentrant true``: reentrant),
+``paddle_mgrad.enable(recompute=True, fused_linear=True)``)
 on a tiny PaddleNLP 2.8.1 llama (``LlamaForCausalLM`` / ``LlamaForCausalLMPipe``) or a tiny
 ``PipelineLayer`` with ``recompute_interval=1``.
 
@@ -64,7 +66,7 @@ def data():
     return rs.randint(0, VOCAB, size=(STEPS, ACC, GB, SEQ + 1)).astype("int64")
 
 
-def llama_config(mp=1, rank=0, sp=False, recompute=True):
+def llama_config(mp=1, rank=0, sp=False, recompute=True, reentrant=False):
     from paddlenlp.transformers import LlamaConfig
 
     return LlamaConfig(
@@ -74,7 +76,7 @@ def llama_config(mp=1, rank=0, sp=False, recompute=True):
         tensor_parallel_output=False, sequence_parallel=sp, use_flash_attention=False,
         use_fused_rms_norm=False, use_fused_rope=False, fuse_attention_qkv=False,
         fuse_attention_ffn=False, recompute=recompute, use_recompute=recompute,
-        recompute_granularity="full", recompute_use_reentrant=False, dtype="float32",
+        recompute_granularity="full", recompute_use_reentrant=reentrant, dtype="float32",
         seq_length=SEQ)
 
 
@@ -210,7 +212,7 @@ def run_reference(name, out):
 
 
 # ---------------------------------------------------------------- distributed run
-def run_distributed(name, out, ref_dir):
+def run_distributed(name, out, ref_dir, reentrant=False):
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils.mix_precision_utils import (
         MixPrecisionLayer,
@@ -248,7 +250,7 @@ def run_distributed(name, out, ref_dir):
     if kind in ("llama", "llama_pipe"):
         from paddlenlp.transformers import LlamaForCausalLM, LlamaForCausalLMPipe
 
-        cfg = llama_config(mp, mp_rank, sp)
+        cfg = llama_config(mp, mp_rank, sp, reentrant=reentrant)
         cpu_fleet_standins.install(pipeline=kind == "llama_pipe")
         init = dict(np.load(os.path.join(ref_dir, "init.npz")))
         if kind == "llama":
@@ -356,7 +358,7 @@ def run_distributed(name, out, ref_dir):
             linear_layers.append(names[w.name])
     fused = sorted(names[n] for n in snap["fused_params"] if n in names)
     result = {
-        "config": name, "rank": rank, "paddle": paddle.__version__,
+        "config": name, "rank": rank, "paddle": paddle.__version__, "reentrant": reentrant,
         "losses": losses, "ref_losses": ref["losses"],
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
         "grad_diff": max(grad_diff.values()) if grad_diff else None,
@@ -379,12 +381,14 @@ def main():
     ap.add_argument("--config", required=True, choices=sorted(CONFIGS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", help="directory of the reference run")
+    ap.add_argument("--recompute_use_reentrant", default="false", choices=["true", "false"],
+                    help="the llama decoder layers' recompute mode (PaddleNLP's flag)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.config.startswith("ref_"):
         run_reference(a.config, a.out)
     else:
-        run_distributed(a.config, a.out, a.ref)
+        run_distributed(a.config, a.out, a.ref, reentrant=a.recompute_use_reentrant == "true")
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (gloo can abort at exit after a good run)
 

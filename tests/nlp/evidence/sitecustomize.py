@@ -9,6 +9,10 @@ tests/nlp/test_paddlenlp_llm.py; never part of the package).
   ``audit.<rank>.json``: the audit, paddle_mgrad's counters and what is installed.
 * ``PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN``: when PaddleNLP's trainer module is imported, apply
   tests/nlp/cpu_nlp_standins.py's stand-in (PaddleNLP 2.7.x on CPU).
+* ``PMG_TEST_FLEET_CPU_STANDINS``: when PaddleNLP's trainer module is imported (before the
+  script parses its arguments, i.e. before fleet.init), install
+  tests/fleet/launch/cpu_fleet_standins.py (gloo transport for fleet hybrid parallel on CPU);
+  the audit then also records how often each stand-in ran.
 Imports nothing heavy at start: no paddle.
 """
 import os
@@ -79,7 +83,13 @@ def _instrument(trainer_module):
                 is paddle.nn.functional.common.linear,
                 "main_grad_dtypes": sorted({str(p.main_grad.dtype) for p in self.model.parameters()
                                             if getattr(p, "main_grad", None) is not None}),
+                "paddle_mgrad_file": sys.modules["paddle_mgrad"].__file__,
+                "model_class": type(self.model).__name__,
+                "layer_types": sorted({type(layer).__name__ for layer in self.model.sublayers()}),
             }
+            standins = sys.modules.get("pmg_test_cpu_fleet_standins")
+            if standins is not None:
+                out["fleet_standins"] = dict(standins.CALLS)
             d = os.environ["PMG_TEST_AUDIT_DIR"]
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, f"audit.{out['rank']}.json"), "w") as f:
@@ -99,13 +109,28 @@ def _standin(_trainer_module):
     module.paddlenlp27_cpu_synchronize_standin()
 
 
+def _fleet_standins(_trainer_module):
+    import importlib.util
+
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(tests, "fleet", "launch", "cpu_fleet_standins.py")
+    spec = importlib.util.spec_from_file_location("pmg_test_cpu_fleet_standins", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.install()
+
+
 def _on_trainer_import(trainer_module):
     # one import hook per module (two would both wrap and unwrap the same loader)
     if os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1":
         _standin(trainer_module)
+    if os.environ.get("PMG_TEST_FLEET_CPU_STANDINS") == "1":
+        _fleet_standins(trainer_module)
     if os.environ.get("PMG_TEST_AUDIT_DIR"):
         _instrument(trainer_module)
 
 
-if os.environ.get("PMG_TEST_AUDIT_DIR") or os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1":
+if (os.environ.get("PMG_TEST_AUDIT_DIR") or os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1"
+        or os.environ.get("PMG_TEST_FLEET_CPU_STANDINS") == "1"):
     _after_import("paddlenlp.trainer.trainer", _on_trainer_import)
