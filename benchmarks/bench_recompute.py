@@ -7,6 +7,10 @@ printed as ratios against Paddle's own recompute in the same run.
 
     python benchmarks/bench_recompute.py [--blocks 8 --hidden 512 --tokens 2048]
 
+``fused_*``: ``paddle_mgrad.enable(fused_linear=True)``, then no recompute, full recompute or
+the ``gemm`` recompute policy (the linears' outputs kept from the forward, nothing multiplied
+in the replay), non-reentrant; printed as time and peak against ``fused_none``.
+
 ``ours_*_values`` run paddle_mgrad's recompute with ``determinism_check="values"``
 (fingerprints of the recomputed activations); their last column is the step time
 against the same mode with the default shape check, in the same run.
@@ -27,7 +31,11 @@ import subprocess
 import sys
 
 MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "ours_non_reentrant_values",
-         "paddle_reentrant", "ours_reentrant", "ours_reentrant_values"]
+         "paddle_reentrant", "ours_reentrant", "ours_reentrant_values",
+         "fused_none", "fused_full", "fused_gemm"]
+#: paddle_mgrad switched on (fused linear + recompute), no recompute / full / the gemm policy
+#: (non-reentrant): their time and peak are printed against fused_none's
+POLICY_MODES = {"fused_none": None, "fused_full": "full", "fused_gemm": "gemm"}
 
 
 def child(args):
@@ -56,7 +64,12 @@ def child(args):
     mode = args.child
     fp_time = [0.0]
     run_block = None
-    if mode != "none":
+    if mode in POLICY_MODES:
+        paddle_mgrad.enable(recompute=True, fused_linear=True)
+        if POLICY_MODES[mode] is not None:
+            def run_block(f, x, policy=POLICY_MODES[mode]):
+                return paddle_mgrad.recompute(f, x, use_reentrant=False, policy=policy)
+    elif mode != "none":
         impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
         reentrant = "_reentrant" in mode and "non_reentrant" not in mode
         preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
@@ -159,15 +172,19 @@ def main():
                           "cpu": statistics.median(r["cpu"] for r in ok),
                           "fp_share": statistics.median(r["fp_share"] for r in ok),
                           "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
-    print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/paddle':>12s} "
-          f"{'peak/paddle':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s} {'fingerprint':>11s}")
+    print("(time/base, peak/base: against Paddle's recompute of the same kind; fused_*: against "
+          "fused_none)")
+    print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/base':>12s} "
+          f"{'peak/base':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s} {'fingerprint':>11s}")
     for m in modes:
         if m not in summary:
             print(f"{m:26s} {'failed':>9s}")
             continue
         s = summary[m]
         base = None
-        if m != "none":
+        if m in POLICY_MODES:
+            base = summary.get("fused_none") if m != "fused_none" else None
+        elif m != "none":
             base = summary.get("paddle_reentrant" if "non_reentrant" not in m
                                else "paddle_non_reentrant")
         rt = f"{s['time'] / base['time']:.3f}" if base else "-"

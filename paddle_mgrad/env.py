@@ -102,6 +102,22 @@ def parse_activation(value) -> dict:
     return out
 
 
+#: the named recompute policies (:mod:`paddle_mgrad.recomputation.policy`), and the variable
+#: every recompute call without ``policy=`` reads
+RECOMPUTE_POLICIES = ("full", "gemm")
+RECOMPUTE_POLICY = "PADDLE_MGRAD_RECOMPUTE_POLICY"
+
+
+def parse_recompute_policy(text: str, what: str = "the policy") -> str:
+    """A recompute policy's name from its text (spaces and case ignored; empty: ``full``);
+    anything else raises ValueError naming ``what`` and the accepted names."""
+    name = text.strip().lower() or "full"
+    if name not in RECOMPUTE_POLICIES:
+        raise ValueError(f"{what}: unknown recompute policy; accepted: "
+                         f"{', '.join(RECOMPUTE_POLICIES)}")
+    return name
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -142,6 +158,10 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("PADDLE_MGRAD_DETERMINISM_CHECK", "shapes (default), values or none",
          _choice("shapes", "values", "none"), "shapes",
          "how recomputation is checked against the forward pass"),
+    Knob(RECOMPUTE_POLICY, "full (default) or gemm", parse_recompute_policy,
+         "full", "what recompute keeps from the forward instead of recomputing, for every "
+         "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
+         "keeps every fused linear's output"),
     Knob("PADDLE_MGRAD_REPORT", "a directory path", _path, None,
          "write one JSON report per process at exit (what was on, the counters)"),
     Knob("PADDLE_MGRAD_NOX_FREE_VENVS", "0/1", _boolean, False,

@@ -583,7 +583,11 @@ def fused_linear(x, weight, bias=None, name=None):
     pack = getattr(_recomputing_state, "pack", None)
     if pack is not None:
         return _recomputed_linear(x, weight, bias, pack)
-    return FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
+    y = FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
+    kept = getattr(_recomputing_state, "kept", None)
+    if kept is not None:  # a recompute policy that keeps GEMM outputs
+        kept.add(x, weight, y)
+    return y
 
 
 def _recomputed_linear(x, weight, bias, pack):
@@ -603,7 +607,16 @@ def _recomputed_linear(x, weight, bias, pack):
     gradient can't use inplace strategy"), and models do in-place ops on a linear's output:
     fleet's ``RowParallelLinear`` all-reduces it in place, PaddleFormers' families add to it.
     A view of it taken with grad on (``reshape`` to its own shape: no copy, and a node that
-    saves nothing, so the pack hook sees nothing of it) is such a non-leaf."""
+    saves nothing, so the pack hook sees nothing of it) is such a non-leaf.
+
+    Where the block's recompute policy kept this linear's output from the forward
+    (:class:`.autograd.recomputing.KeptOutputs`), that output is handed back the same way
+    instead of multiplying again."""
+    kept = getattr(_recomputing_state, "kept", None)
+    found = None if kept is None else kept.take(x, weight)
+    pack(x)
+    if found is not None:
+        return replayed_output(found[0].detach(), found[1])
     tr = _global_var._dygraph_tracer_
     has_grad = tr._has_grad  # (on: _route saw it)
     tr._has_grad = False
@@ -611,9 +624,39 @@ def _recomputed_linear(x, weight, bias, pack):
         y = _paddle_linear(x, weight, bias)
     finally:
         tr._has_grad = has_grad
-    pack(x)
+    return replayed_output(y, False)
+
+
+def replayed_output(y, stop_gradient):
+    """A linear's output as a recomputation hands it on (:func:`_recomputed_linear`): ``y``, a
+    tensor of the caller's own (computed with grad off, or a new detached alias of a kept
+    output: the replay may set attributes on it), as a non-leaf view that needs a gradient --
+    or as it is where the forward's output needed none."""
+    if stop_gradient:
+        return y
     y.stop_gradient = False
     return _C_ops.reshape(y, y.shape)
+
+
+def apply_under_policy(apply, x, weight, *args):
+    """``apply(x, weight, *args)``: the ``apply`` of a fused linear ``PyLayer`` that saves only
+    ``x`` (fleet's overlap linears), under the recompute policy of the block running it.  In
+    the block's forward the output is offered to the policy (``KeptOutputs.add``); in its
+    recomputation a kept output is handed back (``x`` to the pack hook, as the ``PyLayer``
+    would save it) instead of multiplying again.  Outside a policy: ``apply`` itself."""
+    kept = getattr(_recomputing_state, "kept", None)
+    if kept is None:
+        return apply(x, weight, *args)
+    pack = getattr(_recomputing_state, "pack", None)
+    if pack is None:
+        y = apply(x, weight, *args)
+        kept.add(x, weight, y)
+        return y
+    found = kept.take(x, weight)
+    if found is None:
+        return apply(x, weight, *args)
+    pack(x)
+    return replayed_output(found[0].detach(), found[1])
 
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["recompute", "linear", "paddle_c_ops", "fused_params", "reset", "snapshot"]
+__all__ = ["recompute", "policy", "linear", "paddle_c_ops", "fused_params", "reset", "snapshot"]
 
 _lock = threading.Lock()
 
@@ -22,6 +22,13 @@ _lock = threading.Lock()
 #: (:mod:`paddle_mgrad.recomputation.non_reentrant`)
 recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0,
              "reentrant_as_non_reentrant": 0, "kept_from_forward": 0}
+#: per recompute policy other than ``full`` (:mod:`paddle_mgrad.recomputation.policy`), by its
+#: name: block ``calls``, GEMM outputs kept from their forwards (``kept_outputs``, after those
+#: changed in place were dropped) and their ``kept_bytes``, ``replays`` (recomputations), and
+#: over those the GEMMs not recomputed and their FLOPs
+policy: dict = {}
+POLICY_COUNTERS = ("calls", "kept_outputs", "kept_bytes", "replays", "gemms_not_recomputed",
+                   "gemm_flops_not_recomputed")
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the
 #: op accumulated into main_grad, of those the zero-bubble deferred weight gradients
@@ -49,11 +56,22 @@ def bump2(counters: dict, key: str, n: int, key2: str, n2: int):
         counters[key2] += n2
 
 
+def bump_policy(name: str, **increments):
+    """Add ``increments`` (keys of :data:`POLICY_COUNTERS`) to policy ``name``'s counters."""
+    with _lock:
+        counters = policy.get(name)
+        if counters is None:
+            counters = policy[name] = dict.fromkeys(POLICY_COUNTERS, 0)
+        for k, n in increments.items():
+            counters[k] += n
+
+
 def reset():
     with _lock:
         for counters in (recompute, linear, paddle_c_ops):
             for k in counters:
                 counters[k] = 0
+        policy.clear()
         fused_params.clear()
 
 
@@ -61,4 +79,5 @@ def snapshot() -> dict:
     with _lock:
         return {"recompute": dict(recompute), "linear": dict(linear),
                 "paddle_c_ops": dict(paddle_c_ops),
+                "policy": {k: dict(v) for k, v in policy.items()},
                 "fused_params": set(fused_params)}

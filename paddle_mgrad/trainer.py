@@ -15,6 +15,9 @@ Flags (spelled as PaddleNLP's ``llm/`` scripts spell them):
 * ``--mgrad_fix_recompute`` (default: on whenever ``--recompute`` is on):
   Paddle's ``recompute`` -- also the name PaddleNLP's modeling files imported at
   import time -- becomes :func:`paddle_mgrad.recompute`.
+* ``--recompute_policy full|gemm``: what every recompute call keeps from the forward
+  instead of recomputing it (:mod:`paddle_mgrad.recomputation.policy`); sets
+  ``PADDLE_MGRAD_RECOMPUTE_POLICY`` for this process and the ones it starts.
 
 When another arguments dataclass of the parser already defines
 ``enable_linear_fused_grad_add`` (PaddleNLP's own ``PreTrainingArguments`` in
@@ -30,12 +33,14 @@ Nothing here imports PaddleNLP.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ._compat import paddle
+from .env import RECOMPUTE_POLICY, parse_recompute_policy
 from .errors import FlagError
 from .switch import enable
 
@@ -53,6 +58,12 @@ class MgradArguments:
         metadata={"help": "Route Paddle's recompute through paddle_mgrad.recompute (keeps main_grad "
                           "and parameter attributes, CPU RNG on Paddle 2.6, determinism check). "
                           "Default: on when --recompute is on."})
+    recompute_policy: Optional[str] = field(
+        default=None,
+        metadata={"help": "What recompute keeps from the forward instead of recomputing it, for "
+                          "every recompute call (Paddle's own included): full (keep nothing) or "
+                          "gemm (keep every linear's output: no GEMM is recomputed). Default: "
+                          "$PADDLE_MGRAD_RECOMPUTE_POLICY, else full."})
     mgrad_audit: bool = field(
         default=True, metadata={"help": "Report which parameters got their gradient in main_grad."})
 
@@ -118,6 +129,17 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *othe
         raise FlagError("--amp_master_grad keeps fp32 master gradients for O2 AMP only: "
                         "use --fp16_opt_level O2.")
     info = {"recompute": bool(fix_recompute), "fused_linear": fused}
+    policy = getattr(mgrad_args, "recompute_policy", None)
+    if policy is not None:
+        try:
+            info["recompute_policy"] = parse_recompute_policy(policy, "--recompute_policy")
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+        if not info["recompute"]:
+            raise FlagError(f"--recompute_policy {policy} needs paddle_mgrad's recompute: add "
+                            "--recompute true (or --mgrad_fix_recompute true).")
+        # read at each recompute call (Paddle's own too): the whole process and its children
+        os.environ[RECOMPUTE_POLICY] = info["recompute_policy"]
     if fused:
         from . import ops
 
@@ -134,5 +156,7 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *othe
     enable(recompute=info["recompute"], fused_linear=info["fused_linear"])
     on = ", ".join(k for k in ("recompute", "fused_linear") if info[k]) or "nothing"
     op = f" (op: {info['op_backend']})" if fused else ""
+    if "recompute_policy" in info:
+        op += f" (recompute policy: {info['recompute_policy']})"
     print(f"paddle_mgrad: {on} on{op} via trainer flags", file=sys.stderr, flush=True)
     return info

@@ -143,6 +143,11 @@ _WINGS = "issue 25: modules and tests grouped in wings (autograd/, fleet/, diagn
 #: what the old README said that a later change made false: old text (whitespace-insensitive) ->
 #: (what the docs say now, which must be found there; why)
 UPDATED = {
+    "`paddle_mgrad.recompute(function, *args, use_reentrant=True, preserve_rng_state=True, "
+    "offload_indices=(), determinism_check=None, **kwargs)`":
+        ("`paddle_mgrad.recompute(function, *args, use_reentrant=True, preserve_rng_state=True, "
+         "offload_indices=(), determinism_check=None, policy=None, **kwargs)`",
+         "recompute policies: the policy argument"),
     "| CUDA op (`paddlepaddle-gpu` 2.6.2) | JIT-built with CUDA and loaded in CI (no GPU); CUDA core "
     "checked on an H200 through ctypes | (no 3.x GPU wheel on PyPI) |":
         ("| CUDA op (`paddlepaddle-gpu` 2.6.2) | JIT-built with CUDA and loaded in CI (no GPU); the "

@@ -44,6 +44,8 @@ VALID = [
     ("PADDLE_MGRAD_REPORT", "", None),
     ("PADDLE_MGRAD_CUDA_BIAS", "", "auto"), ("PADDLE_MGRAD_CUDA_BIAS", "Epilogue", "epilogue"),
     ("PADDLE_MGRAD_CUDA_BIAS", "kernel", "kernel"),
+    ("PADDLE_MGRAD_RECOMPUTE_POLICY", "", "full"), ("PADDLE_MGRAD_RECOMPUTE_POLICY", "full", "full"),
+    ("PADDLE_MGRAD_RECOMPUTE_POLICY", " GEMM ", "gemm"),
 ] + [(n, t, v) for n in BOOL_KNOBS for t, v in
      (("", False), ("0", False), ("false", False), (" Off ", False), ("no", False),
       ("1", True), ("true", True), ("YES", True), ("on", True))]
@@ -62,6 +64,8 @@ INVALID = [
     ("PADDLE_MGRAD_CPU_CHUNK_ROWS", str(env.MAX_CHUNK_ROWS + 1)),
     ("PADDLE_MGRAD_DETERMINISM_CHECK", "garbage"), ("PADDLE_MGRAD_DETERMINISM_CHECK", HUGE),
     ("PADDLE_MGRAD_CUDA_BIAS", "garbage"), ("PADDLE_MGRAD_CUDA_BIAS", "1"),
+    ("PADDLE_MGRAD_RECOMPUTE_POLICY", "garbage"), ("PADDLE_MGRAD_RECOMPUTE_POLICY", "gemms"),
+    ("PADDLE_MGRAD_RECOMPUTE_POLICY", HUGE),
 ] + [(n, t) for n in BOOL_KNOBS for t in ("garbage", "2", "-1", HUGE, "truee")]
 
 

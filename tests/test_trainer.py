@@ -122,10 +122,38 @@ def test_mgrad_arguments_for_drops_the_fields_others_define():
 
     cls = T.mgrad_arguments_for(PreTrainingArguments)
     names = [f.name for f in dataclasses.fields(cls)]
-    assert names == ["mgrad_fix_recompute", "mgrad_audit"]
+    assert names == ["mgrad_fix_recompute", "recompute_policy", "mgrad_audit"]
     args = cls()
     assert args.mgrad_fix_recompute is None and args.mgrad_audit is True
     info = T.apply(targs(), args, argv=[])  # no enable_linear_fused_grad_add anywhere: off
     assert info == {"recompute": True, "fused_linear": False}
     pre = PreTrainingArguments(enable_linear_fused_grad_add=True)
     assert T.apply(targs(), args, pre, argv=[])["fused_linear"] is True
+
+
+def test_recompute_policy_flag_reaches_every_recompute_call(monkeypatch, capsys):
+    """``--recompute_policy gemm`` sets the variable every recompute call reads (Paddle's own
+    included), says so, and is checked: a bad name or no recompute is a one-line FlagError."""
+    from paddle.distributed.fleet.utils import recompute
+
+    from paddle_mgrad import stats
+
+    monkeypatch.delenv("PADDLE_MGRAD_RECOMPUTE_POLICY", raising=False)
+    with pytest.raises(T.FlagError, match=r"--recompute_policy: unknown recompute policy; "
+                                          r"accepted: full, gemm"):
+        T.apply(targs(), T.MgradArguments(recompute_policy="gemms"), argv=[])
+    with pytest.raises(T.FlagError, match="needs paddle_mgrad's recompute"):
+        T.apply(targs(recompute=False), T.MgradArguments(recompute_policy="gemm"), argv=[])
+    assert "PADDLE_MGRAD_RECOMPUTE_POLICY" not in __import__("os").environ
+    info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True,
+                                             recompute_policy="GEMM"), argv=[])
+    assert info["recompute_policy"] == "gemm"
+    assert "(recompute policy: gemm)" in capsys.readouterr().err
+    stats.reset()
+    lin = paddle.nn.Linear(4, 4)
+    x = paddle.randn([2, 4])
+    x.stop_gradient = False
+    # (a block whose linear's input is recomputed: tanh's output)
+    recompute(lambda t: lin(paddle.tanh(t)), x, use_reentrant=False).sum().backward()
+    assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 1
+    paddle_mgrad.disable()

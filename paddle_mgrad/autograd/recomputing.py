@@ -1,36 +1,123 @@
-"""Whether this thread is re-running a block for a non-reentrant recompute right now.
+"""Whether this thread is re-running a block for a non-reentrant recompute right now, and the
+GEMM outputs a recompute policy keeps from the block's forward.
 
 The recomputation (:mod:`paddle_mgrad.recomputation.non_reentrant`) re-runs a block in backward
 under a pack hook of its own that collects the tensors the block saves, in the forward's order.
 The graph it builds is never back-propagated, so our fused linear (:mod:`paddle_mgrad.linear`)
 need not be a ``PyLayer`` there: it runs Paddle's linear and hands the one tensor its
-``PyLayer`` would save to that hook itself (issue 23: a node, a guard and a context less per
-linear per recomputation).  A recompute's forward running inside a recomputation (a nested
-block) sets None for its duration: its saves go to its own hooks, and the PyLayer it builds
-is back-propagated.
+``PyLayer`` would save to that hook itself (a node, a guard and a context less per linear per
+recomputation).  A recompute's forward running inside a recomputation (a nested block) sets
+None for its duration: its saves go to its own hooks, and the PyLayer it builds is
+back-propagated.
+
+Under a recompute policy that keeps GEMM outputs (:mod:`paddle_mgrad.recomputation.policy`),
+the block's forward records each fused linear's output in a :class:`KeptOutputs`, and the
+recomputation hands the same output back instead of multiplying again: the linear's input is
+recomputed (the backward needs it, and the ops before the linear reproduce it anyway), its
+output is not.  The n-th fused linear of the replay is the n-th of the forward (the replay runs
+the same code on the same values; the determinism check covers what is recomputed).
 
 Here, below both, so that neither imports the other (tests/test_import_graph.py).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
-__all__ = ["state", "running"]
+__all__ = ["state", "running", "KeptOutputs"]
 
 #: ``state.pack``: the pack hook of the recomputation this thread runs right now; absent or None
-#: when there is none.  Read as ``getattr(state, "pack", None)`` -- by our fused linear on every
-#: call, hence an attribute and not a function.
+#: when there is none.  ``state.kept``: the :class:`KeptOutputs` of the block whose forward or
+#: recomputation this thread runs, None when its policy keeps nothing.  Read with ``getattr(state,
+#: name, None)`` -- by our fused linear on every call, hence attributes and not functions.
 state = threading.local()
 
 
 @contextlib.contextmanager
-def running(pack_hook):
+def running(pack_hook, kept=None):
     """Run the body with ``pack_hook`` (a recomputation's, or None: a forward) as this
-    thread's ``state.pack``."""
-    prev = getattr(state, "pack", None)
-    state.pack = pack_hook
+    thread's ``state.pack`` and ``kept`` as its ``state.kept``."""
+    prev = getattr(state, "pack", None), getattr(state, "kept", None)
+    state.pack, state.kept = pack_hook, kept
     try:
         yield
     finally:
-        state.pack = prev
+        state.pack, state.kept = prev
+
+
+class KeptOutputs:
+    """The outputs of a block's fused linears that its policy keeps, in call order.
+
+    Forward: :meth:`add` for every fused linear call (an entry, or None where the policy
+    recomputes it).  :meth:`forward_done` drops every output changed in place since it was kept
+    (fleet's in-place all-reduce, a residual ``add_``): the recomputation must then re-run that
+    linear and the op after it, as without a policy.  Recomputation: :meth:`take` for every
+    fused linear call, in the same order; it answers None where the linear must be computed
+    (not kept, dropped, changed after the forward, or not the call the forward made).
+    Entries hold detached tensors (buffer and inplace version shared with the output, no
+    autograd node), so keeping them ties nothing to the forward's graph."""
+
+    __slots__ = ("wants", "entries", "cursor", "kept_bytes", "skipped", "skipped_flops")
+
+    def __init__(self, wants):
+        #: ``wants(x, weight, y) -> bool``: whether the policy keeps this output
+        self.wants = wants
+        self.entries: list = []
+        self.cursor = 0
+        self.kept_bytes = 0
+        self.skipped = 0  # GEMMs not recomputed by the current (or last) recomputation
+        self.skipped_flops = 0
+
+    # -- forward --------------------------------------------------------------
+    def add(self, x, weight, y):
+        if not self.wants(x, weight, y):
+            self.entries.append(None)
+            return
+        self.entries.append((y.detach(), y._inplace_version(), y.stop_gradient,
+                             list(weight.shape), list(x.shape)))
+
+    def forward_done(self):
+        """Drop what changed in place during the forward; count the bytes kept."""
+        total = 0
+        for i, entry in enumerate(self.entries):
+            if entry is None:
+                continue
+            t, version = entry[0], entry[1]
+            if not self.unchanged(t, version):
+                self.entries[i] = None
+            else:
+                total += math.prod(t.shape) * t.element_size()
+        self.kept_bytes = total
+
+    @staticmethod
+    def unchanged(t, version) -> bool:
+        """Whether the kept output still holds what the linear computed (no in-place op on it
+        or on a view of it since: they share its inplace version)."""
+        return t._inplace_version() == version
+
+    @property
+    def kept(self) -> int:
+        return sum(e is not None for e in self.entries)
+
+    # -- recomputation ----------------------------------------------------------
+    def rewind(self):
+        """Before a recomputation (a second backward replays again)."""
+        self.cursor = self.skipped = self.skipped_flops = 0
+
+    def take(self, x, weight):
+        """``(output, stop_gradient)`` kept for this call, or None: compute it."""
+        i = self.cursor
+        self.cursor += 1
+        entry = self.entries[i] if i < len(self.entries) else None
+        if entry is None:
+            return None
+        t, version, stop_gradient, w_shape, x_shape = entry
+        # (a replay that diverged from the forward: compute, and let the determinism check
+        # speak about what was recomputed)
+        if not self.unchanged(t, version) or list(x.shape) != x_shape or \
+                list(weight.shape) != w_shape:
+            return None
+        self.skipped += 1
+        self.skipped_flops += 2 * math.prod(t.shape) * x_shape[-1]
+        return t, stop_gradient

@@ -32,6 +32,18 @@ def _paths_line(cpu, op, fp64_kernel):
     return f"bf16: {bf16}; fp16: {fp16}; fp64: {fp64}"
 
 
+def _policy_line(variables) -> str:
+    """The recompute policy in force for calls without ``policy=`` (env.py's knob)."""
+    var = next((v for v in variables if v["name"] == "PADDLE_MGRAD_RECOMPUTE_POLICY"), None)
+    if var is None:
+        return ("policy full (the default: every block replayed whole; "
+                "PADDLE_MGRAD_RECOMPUTE_POLICY=gemm keeps the linears' outputs)")
+    if var["status"] != "ok":
+        return "policy: PADDLE_MGRAD_RECOMPUTE_POLICY is invalid (above): paddle_mgrad stops at import"
+    return (f"policy {var['parsed']} (PADDLE_MGRAD_RECOMPUTE_POLICY: every recompute call without "
+            "policy=, Paddle's own included)")
+
+
 def render(facts, problems) -> str:
     L = []
     add = L.append
@@ -67,6 +79,7 @@ def render(facts, problems) -> str:
     for v in variables:
         state = "ok" if v["status"] == "ok" else v["status"].upper() + ": " + (v["message"] or "")
         add(f"           {v['name']}={v['value']}  {state}")
+    add("recompute  " + _policy_line(variables))
 
     op = _step(facts, "probe_op", "op")
     cpu = _step(facts, "probe_op", "cpu")

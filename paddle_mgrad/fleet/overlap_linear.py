@@ -24,7 +24,12 @@ from __future__ import annotations
 from .. import stats
 from .._compat import paddle
 from ..autograd import backward_errors, passes as autograd_passes
-from ..linear import functional_grads, stash_for_backward, weight_and_bias_grads
+from ..linear import (
+    apply_under_policy,
+    functional_grads,
+    stash_for_backward,
+    weight_and_bias_grads,
+)
 from ..registry import original
 from .collective_overlap import let_collective_start
 
@@ -33,6 +38,11 @@ __all__ = ["OverlapLinearWithGradAdd", "replace"]
 
 class OverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """Drop-in for fleet's ``InnerOverlapLinear`` (see module docstring)."""
+
+    @classmethod
+    def apply(cls, x, weight, *args):
+        # under a recompute policy that keeps GEMM outputs, its output is one of them
+        return apply_under_policy(super().apply, x, weight, *args)
 
     @staticmethod
     def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from .. import env
 from .._compat import paddle, tracer
-from . import to_static  # noqa: F401  (registers our files with to_static's SOT)
+from . import (
+    policy as _policy,
+    to_static,  # noqa: F401  (registers our files with to_static's SOT)
+)
 from .non_reentrant import recompute_non_reentrant
 from .reentrant import recompute_reentrant
 
@@ -30,7 +33,7 @@ def determinism_check_mode(value=None):
 
 
 def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offload_indices=(),
-              determinism_check=None, **kwargs):
+              determinism_check=None, policy=None, **kwargs):
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
 
     Drop-in for ``paddle.distributed.fleet.utils.recompute`` (same arguments,
@@ -48,6 +51,13 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
     * ``determinism_check``: ``"shapes"`` (default), ``"values"`` or ``"none"``;
       when not given, the environment variable ``PADDLE_MGRAD_DETERMINISM_CHECK``
       (read at each call), else ``"shapes"``.  See below.
+    * ``policy``: what to keep from the forward instead of recomputing it
+      (:mod:`.policy`): ``"full"`` (keep nothing), ``"gemm"`` (keep every fused
+      linear's output) or a callable ``policy(call) -> bool``; when not given,
+      ``PADDLE_MGRAD_RECOMPUTE_POLICY`` (read at each call), else ``"full"``.
+      Gradients are bit-identical under every policy.  A policy other than
+      ``full`` runs on the non-reentrant engine, whatever ``use_reentrant`` says
+      (unless ``offload_indices`` is given).
     * other keyword arguments go to ``function``.
 
     Raises :class:`~paddle_mgrad.RecomputeError` in backward if recomputation
@@ -61,6 +71,7 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
     magnitude can pass.
     """
     check = determinism_check_mode(determinism_check)
+    chosen = _policy.resolve(policy)
     if not paddle.in_dynamic_mode():
         from paddle.distributed.auto_parallel.interface import recompute as static_recompute
 
@@ -69,10 +80,10 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
         return function(*args, **kwargs)
     if use_reentrant:
         return recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
-                                   check)
+                                   check, chosen)
     if offload_indices:
         raise ValueError("offload_indices is only supported with use_reentrant=True (as in Paddle)")
-    return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check)
+    return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check, chosen)
 
 
 def _paddle_recompute_trampoline(function, *args, **kwargs):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from .. import stats
 from .._compat import is_tensor, paddle, tracer
-from . import non_reentrant as _non_reentrant, reentrant as _reentrant
+from . import non_reentrant as _non_reentrant, policy as _policy, reentrant as _reentrant
 from .api import determinism_check_mode
 from .tensors import any_needs_grad
 
@@ -102,15 +102,19 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
         raise RuntimeError("recompute_hybrid works in dynamic (dygraph) mode only")
     stats.bump(stats.recompute, "hybrid")
     stash = _HybridStash(mp_group, ctx.get("offload", False), ctx.get("partition", False))
+    policy = _policy.resolve()
     if not tracer()._has_grad:
         outputs = function(*args, **kwargs)
-    elif not any_needs_grad((args, kwargs)):
+    elif not any_needs_grad((args, kwargs)) or (
+            policy is not None and not stash.offload and not stash.partition):
         # No argument needs a gradient (a first stage behind frozen embeddings): the
         # PyLayer would get no grad node and the block's parameters no gradient, so it
         # runs non-reentrant (reentrant module docstring); offload/partition concern
-        # saved inputs, and these are kept as they are.
+        # saved inputs, and these are kept as they are.  A recompute policy runs there too
+        # (:mod:`.policy`), unless offload/partition asked for the reentrant engine.
         stats.bump(stats.recompute, "reentrant_as_non_reentrant")
-        outputs = _non_reentrant.run(function, True, args, kwargs, determinism_check_mode())
+        outputs = _non_reentrant.run(function, True, args, kwargs, determinism_check_mode(),
+                                     policy)
     else:
         layout, tensors, call_kwargs, anchor = _reentrant._prepare(
             function, args, kwargs, "recompute_hybrid")

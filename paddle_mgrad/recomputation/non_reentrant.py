@@ -26,12 +26,16 @@ the holder).
 **A block that changes its own input in place** (``x.add_(...)`` on a tensor argument):
 a recomputation would start from the changed value and reproduce other activations (plain
 Paddle's non-reentrant recompute computes wrong gradients there, silently).  So during the
-forward every holder also references its tensor, and when the forward returns, the tensor
+forward every saved tensor is also held, and when the forward returns, the tensor
 arguments' inplace versions tell: unchanged (the usual case), the empty holders let go of
 their tensors -- dropped as before; changed, every holder is kept, the block is never
 recomputed, and backward sees exactly what it would see without recompute
 (``stats.recompute["kept_from_forward"]`` counts these calls).  Holding the block's saved
 tensors until its forward returns costs what its recomputation costs in backward anyway.
+They wait in a list the frame drops when the forward returns or raises, not on the holders: a
+holder is reached from the graph, and a tensor made inside the graph held from there would hold
+its own grad node -- a reference cycle through C++, never collected.  Kept ones become detached
+aliases for the same reason.
 
 The forward records each saved tensor's shape and dtype; recomputation checks
 them, and a different count, shape or dtype raises :class:`RecomputeError`
@@ -52,7 +56,7 @@ from .. import stats
 from .._compat import IS_PADDLE_2, is_parameter, paddle
 from ..autograd import backward_errors as _errors, recomputing as _recomputing
 from ..errors import RecomputeError
-from . import amp as _amp, rng as _rng, saved_hooks as _hooks
+from . import amp as _amp, policy as _policy, rng as _rng, saved_hooks as _hooks
 from .tensors import (
     FINGERPRINT_FIELDS,
     buffer_sharing_tensor,
@@ -69,10 +73,9 @@ from .tensors import (
 class _Holder:
     """What autograd keeps instead of a saved tensor (see module docstring).
 
-    ``value``: a kept holder's object; an empty holder's tensor until the forward returns
-    (:meth:`_Frame.forward_done`), then its recomputed view while it waits for its unpack
-    (None before the recomputation and after the unpack: a dropped activation is never None,
-    :meth:`_Frame._keep` keeps None)."""
+    ``value``: a kept holder's object; an empty holder's recomputed view while it waits for
+    its unpack (None before the recomputation and after the unpack: a dropped activation is
+    never None, :meth:`_Frame._keep` keeps None)."""
 
     __slots__ = ("index", "kept", "value", "for_op", "__weakref__")
 
@@ -88,8 +91,11 @@ class _Holder:
 class _Frame:
     """State of one non-reentrant recompute call, shared by its hooks."""
 
-    def __init__(self, function, args, kwargs, preserve_rng_state, check="shapes"):
+    def __init__(self, function, args, kwargs, preserve_rng_state, check="shapes", policy=None):
         self.function = function
+        # what the block's policy keeps from its forward (:mod:`.policy`); None: full
+        self.policy = policy
+        self.kept = None if policy is None else policy.kept_outputs()
         self.check = check  # "shapes", "values" or "none"
         # values check: index -> (forward name, fingerprint tensor), recomputed tensors only
         self.prints: dict = {}
@@ -102,6 +108,8 @@ class _Frame:
         self.arg_versions = [t._inplace_version() for t in self.arg_tensors]
         self.specs: list = []
         self.holders: list = []
+        #: ``[(index, tensor)]`` of the empty holders while the forward runs (then None)
+        self.pending: list = []
 
     # -- forward -----------------------------------------------------------
     def _keep(self, x) -> bool:
@@ -112,10 +120,13 @@ class _Frame:
         return bool(x.is_leaf and not x.stop_gradient)
 
     def pack(self, x):
+        """The forward's pack hook; an empty holder's tensor waits in ``self.pending`` until the
+        forward returns or raises (:meth:`forward_done`, :meth:`forward_failed`)."""
         kept = self._keep(x)
         for_op = IS_PADDLE_2 and not _hooks.in_pylayer_save()
-        # (an empty holder holds its tensor until the forward returns: :meth:`forward_done`)
-        holder = _Holder(len(self.specs), kept, x, for_op)
+        holder = _Holder(len(self.specs), kept, x if kept else None, for_op)
+        if not kept:
+            self.pending.append((holder.index, x))
         if self.check == "values" and not kept:
             fp = fingerprint(x)
             if fp is not None:
@@ -146,21 +157,51 @@ class _Frame:
     def forward_done(self):
         """The block's forward returned: drop what recomputation will reproduce -- unless the
         block changed one of its tensor arguments in place, when recomputation could not
-        reproduce it: then every saved tensor is kept (module docstring)."""
-        changed = any(t._inplace_version() != v
-                      for t, v in zip(self.arg_tensors, self.arg_versions))
+        reproduce it: then every saved tensor is kept (module docstring), as a detached alias
+        (the tensor itself would hold its own grad node from inside the graph: a reference
+        cycle through C++ that no garbage collector sees, and the block's graph would live
+        for good)."""
+        pending, self.pending = self.pending, None
+        changed = self._release_changed_arguments()
         if changed:
             stats.bump(stats.recompute, "kept_from_forward")
             self.prints.clear()
-        for ref in self.holders:
-            holder = ref()
-            if holder is None or holder.kept:
-                continue
-            if changed:
-                holder.kept = True
-            else:
-                holder.value = None
+        if self.kept is not None:
+            if changed:  # never recomputed: nothing to hand back
+                self.kept.entries.clear()
+            self.kept.forward_done()
+            _policy.record_call(self.policy, self.kept)
+        if changed:
+            holders = self.holders
+            for index, x in pending:
+                holder = holders[index]()
+                if holder is not None:
+                    holder.kept = True
+                    holder.value = detached_view(x)
         self.arg_tensors = None  # (the arguments themselves stay in self.args)
+
+    def _release_changed_arguments(self):
+        """The ids of the tensor arguments the forward changed in place (none: nothing done).
+        Such an argument now has a grad node inside the block: held from the graph (a kept
+        holder, the frame's arguments) it would hold that node itself, a cycle through C++.
+        The block is never recomputed then (:meth:`forward_done`), so the arguments are not
+        needed, and kept holders get aliases."""
+        changed = {id(t) for t, v in zip(self.arg_tensors, self.arg_versions)
+                   if t._inplace_version() != v}
+        if changed:
+            self.args = self.kwargs = None
+            for ref in self.holders:
+                holder = ref()
+                if holder is not None and holder.kept and id(holder.value) in changed \
+                        and not is_parameter(holder.value):
+                    holder.value = detached_view(holder.value)
+        return changed
+
+    def forward_failed(self):
+        """The block's forward raised: what it made is garbage, and must be collectable."""
+        self.pending = None
+        self._release_changed_arguments()
+        self.arg_tensors = None
 
     # -- backward ----------------------------------------------------------
     def rerun(self):
@@ -203,9 +244,14 @@ class _Frame:
         def inner_unpack(_):  # the recomputed graph is never back-propagated
             raise RecomputeError("internal: a tensor saved during recomputation was unpacked")
 
+        kept = self.kept
+        if kept is not None:
+            kept.rewind()
         with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(True), \
-                _hooks.hooks(inner_pack, inner_unpack), _recomputing.running(inner_pack):
+                _hooks.hooks(inner_pack, inner_unpack), _recomputing.running(inner_pack, kept):
             self.function(*self.args, **self.kwargs)
+        if kept is not None:
+            _policy.record_replay(self.policy, kept)
 
         if counter < len(specs) and check_shapes:
             problems.append(
@@ -250,20 +296,30 @@ def _value_problems(prints, recomputed):
     return problems
 
 
-def recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check="shapes"):
+def recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check="shapes",
+                            policy=None):
     """Run ``function`` under hooks that drop activations and keep parameters."""
     stats.bump(stats.recompute, "non_reentrant")
-    return run(function, preserve_rng_state, args, kwargs, check)
+    return run(function, preserve_rng_state, args, kwargs, check, policy)
 
 
-def run(function, preserve_rng_state, args, kwargs, check="shapes"):
-    """The non-reentrant recompute itself (also what a reentrant call whose inputs
-    need no gradient runs: :func:`.reentrant.recompute_reentrant`); counts nothing."""
+def run(function, preserve_rng_state, args, kwargs, check="shapes", policy=None):
+    """The non-reentrant recompute itself (also what a reentrant call runs whose inputs
+    need no gradient or that has a policy: :func:`.reentrant.recompute_reentrant`); counts
+    nothing.  ``policy``: a :class:`.policy.Policy`, or None for full recompute."""
     _hooks.install_save_shim()
     _errors.install()
     with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py
-        frame = _Frame(function, args, kwargs, preserve_rng_state, check)
-        with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None):
-            outputs = function(*args, **kwargs)
+        frame = _Frame(function, args, kwargs, preserve_rng_state, check, policy)
+        # The frame holds the forward's saved tensors until the forward returns or raises, and
+        # must let go of them then whatever happens: the graph reaches the frame (through its
+        # unpack hook), and a tensor made inside the graph held there holds its grad node -- a
+        # reference cycle through C++ that no garbage collector sees.
+        try:
+            with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None, frame.kept):
+                outputs = function(*args, **kwargs)
+        except BaseException:
+            frame.forward_failed()
+            raise
         frame.forward_done()
         return outputs

@@ -407,16 +407,17 @@ def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, ancho
 
 
 def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
-                        check="shapes"):
+                        check="shapes", policy=None):
     """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
-    if not any_needs_grad((args, kwargs)):
+    if not any_needs_grad((args, kwargs)) or (policy is not None and not offload_indices):
         # Nothing passed in needs a gradient, so the PyLayer would get no differentiable
         # input and Paddle would make no grad node: parameters read inside the block
         # (LoRA behind frozen embeddings) would silently get no gradient.  See the module
-        # docstring: the block runs non-reentrant instead.
+        # docstring: the block runs non-reentrant instead.  So does a block with a recompute
+        # policy (:mod:`.policy`: what it keeps meets the replay in the non-reentrant engine).
         stats.bump(stats.recompute, "reentrant")
         stats.bump(stats.recompute, "reentrant_as_non_reentrant")
-        return _non_reentrant.run(function, preserve_rng_state, args, kwargs, check)
+        return _non_reentrant.run(function, preserve_rng_state, args, kwargs, check, policy)
     stats.bump(stats.recompute, "reentrant")
     layout, tensors, call_kwargs, anchor = _prepare(
         function, args, kwargs, "recompute(use_reentrant=True)")

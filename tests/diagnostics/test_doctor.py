@@ -240,8 +240,10 @@ def test_bad_env_values(tmp_path):
         "export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"
     assert got["PADDLE_MGRAD_CPU_BF61"]["fix"] == "rename it to PADDLE_MGRAD_CPU_BF16"
     assert d["facts"]["probe_op"]["steps"]["selftest_paddle_mgrad"]["main_grad_ok"]
-    r2, _ = run_doctor(tmp_path, PADDLE_MGRAD_OPS="pyhton")
+    r2, _ = run_doctor(tmp_path, PADDLE_MGRAD_OPS="pyhton", PADDLE_MGRAD_RECOMPUTE_POLICY=" Gemm")
     assert r2.returncode == 1
+    # the recompute policy in force, as every recompute call reads it
+    assert "recompute  policy gemm (PADDLE_MGRAD_RECOMPUTE_POLICY" in r2.stdout, r2.stdout
     assert problem_lines(r2.stdout) == [
         "  problem: [environment] PADDLE_MGRAD_OPS='pyhton' is not valid; accepted: auto "
         "(default) or python  ->  fix: export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"]
@@ -332,3 +334,13 @@ def test_a_failing_step_is_a_problem(tmp_path):
     (p,) = d["problems"]
     assert p["area"] == "doctor" and "'cpu' failed: RuntimeError: cpu_info broken on purpose" in p["problem"]
     assert "report it" in p["fix"]
+
+
+def test_the_policy_line_says_what_is_in_force():
+    from paddle_mgrad.diagnostics.render import _policy_line
+
+    assert _policy_line([]).startswith("policy full (the default")
+    bad = {"name": "PADDLE_MGRAD_RECOMPUTE_POLICY", "value": "x", "status": "invalid"}
+    assert "invalid" in _policy_line([bad])
+    ok = dict(bad, status="ok", parsed="gemm")
+    assert _policy_line([ok]).startswith("policy gemm (PADDLE_MGRAD_RECOMPUTE_POLICY")

@@ -20,7 +20,10 @@ run without recompute:
   recomputation per decoder layer and per loss, per micro-step);
 * grad mode is on after training, and after a recomputation that raised in backward (an
   injected error, caught as a training loop would) grad mode is back on and the next 2
-  micro-steps equal the reference (``<mode>_after_error``).
+  micro-steps equal the reference (``<mode>_after_error``);
+* with ``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm`` (``non_reentrant_gemm``: the fused linears'
+  outputs kept from the forward, set in the environment only) the same, bit-identical, and
+  the policy's counters show GEMMs that were not recomputed.
 
 Most families call Paddle's ``recompute`` without ``use_reentrant`` (always reentrant,
 whatever ``recompute_use_reentrant`` says; families.py): the driver forces the mode through
@@ -80,6 +83,7 @@ DRIVER = os.path.join(HERE, "train_family.py")
 MICRO, LAYERS = 2, 2  # train_family.MICRO, families.COMMON["num_hidden_layers"]
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
 AFTER_ERROR = tuple(m + "_after_error" for m in RECOMPUTE_MODES)
+POLICIES = ("non_reentrant_gemm",)  # train_family.py: the gemm recompute policy
 INJECTED = "injected error in a recomputation"
 # the runnable families whose modeling modules import only with family_standins.py
 NEEDS_STANDINS = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
@@ -157,8 +161,8 @@ def check_mode(family, mode, r, g, ref, ref_grads):
     if "error" in r:
         return [f"{mode}: {short(r['error'])}"]
     problems = []
-    base = mode.replace("_after_error", "")
-    failed_step = mode != base  # one more micro-step ran first, and raised in backward
+    base = mode.replace("_after_error", "").replace("_gemm", "")
+    failed_step = mode.endswith("_after_error")  # one more micro-step ran first, and raised
     if failed_step:
         if INJECTED not in (r["injected_error"] or ""):
             problems.append("the first micro-step did not fail with the injected error but: "
@@ -196,6 +200,18 @@ def check_mode(family, mode, r, g, ref, ref_grads):
         problems.append(f"recompute calls {r['recompute_calls']} != {expected}")
     if not failed_step and r["linear"] != ref["linear"]:
         problems.append(f"fused linear {r['linear']} != without recompute {ref['linear']}")
+    # the gemm policy ran on every recomputed block and spared GEMMs; without it, none did
+    pol = r.get("policy", {})
+    if mode.endswith("_gemm"):
+        g = pol.get("gemm", {})
+        # (qwen3_next recomputes only its loss, whose logits GEMM is a matmul, no fused linear)
+        spared = FAMILIES[family][4] is not None
+        if not (g.get("calls") == calls and g.get("replays") == blocks and
+                (g.get("gemms_not_recomputed", 0) > 0) == spared and
+                (g.get("kept_bytes", 0) > 0) == spared):
+            problems.append(f"gemm policy counters {pol} (expected {calls} calls)")
+    elif pol:
+        problems.append(f"a policy ran: {pol}")
     return [f"{mode}: {p}" for p in problems]
 
 
@@ -207,7 +223,7 @@ def test_family_recompute_matches_no_recompute(tmp_path, family):
     ref, ref_grads = modes["none"], grads(out, "none")
     problems = check_reference(ref, ref_grads)
     measured = []
-    for mode in RECOMPUTE_MODES + AFTER_ERROR:
+    for mode in RECOMPUTE_MODES + AFTER_ERROR + POLICIES:
         r = modes[mode]
         g = {} if "error" in r else grads(out, mode)
         problems += check_mode(family, mode, r, g, ref, ref_grads)

@@ -12,6 +12,8 @@ linear; no optimizer step, so what is compared is the accumulated gradient itsel
 * ``none``: ``recompute_granularity=None`` (the reference);
 * ``reentrant`` / ``non_reentrant``: ``recompute_granularity="full"`` (every decoder layer and
   the loss recomputed), ``recompute_use_reentrant`` True / False;
+* ``non_reentrant_gemm``: as ``non_reentrant``, with ``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm``
+  (every fused linear's output kept from the forward, no GEMM recomputed);
 * ``<mode>_after_error``: as ``<mode>``, after a first micro-step whose first recomputed block
   (decoder layer 0; the loss for qwen3_next) raised in backward, in its recomputation -- an
   injected error, caught here as a training loop would: grad mode must be back on and the
@@ -50,7 +52,9 @@ from family_standins import paddlefleet_import_standins  # noqa: E402
 
 SEED, BATCH, SEQ, MICRO = 42, 2, 16, 2
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
-MODES = ("none", *RECOMPUTE_MODES, *(m + "_after_error" for m in RECOMPUTE_MODES))
+MODES = ("none", *RECOMPUTE_MODES, *(m + "_after_error" for m in RECOMPUTE_MODES),
+         "non_reentrant_gemm")
+POLICY_ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 INJECTED = "injected error in a recomputation (tests/formers/train_family.py)"
 
 
@@ -144,6 +148,17 @@ def micro_step(wrapped, ids, labels):
 
 
 def run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
+    """One mode's training; ``<mode>_gemm``: with the gemm recompute policy, switched on the
+    way a user does it with no edits (the environment variable)."""
+    if mode.endswith("_gemm"):
+        os.environ[POLICY_ENV] = "gemm"
+    try:
+        return _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir)
+    finally:
+        os.environ.pop(POLICY_ENV, None)
+
+
+def _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
     stats.reset()
     ForcedMode.calls = {}
     model, wrapped = build(config_cls, model_cls, family, mode, initial)
@@ -177,6 +192,7 @@ def run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
     result["main_grad_dtypes"] = sorted(dtypes)
     snap = stats.snapshot()
     result["recompute"], result["linear"] = snap["recompute"], snap["linear"]
+    result["policy"] = snap["policy"]
     np.savez(os.path.join(out_dir, f"{mode}.npz"), **grads)
     return model, result
 

@@ -58,6 +58,7 @@ class Case:
     seed: int
     in_place: str = "add_"            # the kind of the in-place ops (IN_PLACE key)
     ip_input: bool = False            # the block starts with that op on its input x0
+    policy: str = "full"              # the recompute policy of ours (nested blocks too)
 
     @property
     def changes_input(self):
@@ -94,6 +95,7 @@ def cases(draw):
         seed=draw(st.integers(0, 2**16)),
         in_place=draw(st.sampled_from(sorted(IN_PLACE))),
         ip_input=draw(st.sampled_from((False,) * 5 + (True,))),
+        policy=draw(st.sampled_from(("full", "gemm"))),
     )
 
 
@@ -217,7 +219,8 @@ def run_case(case, how):
         if expects_value_check(case):
             kwargs["determinism_check"] = "values"
         return paddle_mgrad.recompute(function, *args, use_reentrant=use_reentrant,
-                                      preserve_rng_state=case.preserve_rng, **kwargs)
+                                      preserve_rng_state=case.preserve_rng, policy=case.policy,
+                                      **kwargs)
 
     net.rc = rc
     rs = np.random.RandomState(case.seed)

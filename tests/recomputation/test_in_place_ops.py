@@ -13,6 +13,8 @@ A non-reentrant recomputation re-runs our fused linear without its PyLayer: its 
 be no leaf, or Paddle refuses the in-place op ("Leaf Var () that doesn't stop gradient can't
 use inplace strategy") -- what stopped tensor parallelism and 7 of 11 PaddleFormers families.
 """
+import weakref
+
 import numpy as np
 import paddle
 import pytest
@@ -184,3 +186,40 @@ def test_replayed_linear_output_is_no_leaf():
     np.testing.assert_array_equal(y.numpy(), paddle.nn.functional.linear(x, lin.weight,
                                                                          lin.bias).numpy())
     assert paddle.is_grad_enabled()
+
+
+@pytest.mark.parametrize("ending", ["backward", "raises_in_forward"])
+@pytest.mark.parametrize("op", ["add_", "relu_", "multiply_"])
+def test_no_graph_outlives_its_step(op, ending):
+    """A block that changes its input in place keeps its saved tensors from the forward: none of
+    them -- nor the changed argument, whose grad node is now inside the block -- may be held
+    from inside the graph by reference (a cycle through C++ that no garbage collector sees:
+    the block's graph would live for good, and paddle.grad would later refuse every graph with
+    a fused linear, taking a stale node for one of them).  Also when the forward raises."""
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        lin, lin2, pre = (paddle.nn.Linear(D, D) for _ in range(3))
+        refs = []
+
+        def block(h):
+            IN_PLACE[op](h)
+            y = lin(h)
+            z = paddle.tanh(y)
+            refs.extend(weakref.ref(t) for t in (h, y, z))
+            if ending == "raises_in_forward":
+                raise RuntimeError("user code fails in the forward")
+            return lin2(z)
+
+        x = paddle.randn([3, D])
+        x.stop_gradient = False
+        try:
+            paddle_mgrad.recompute(block, pre(x), use_reentrant=False).sum().backward()
+        except RuntimeError:
+            assert ending == "raises_in_forward"
+        assert paddle.is_grad_enabled()
+    finally:
+        paddle_mgrad.disable()
+    del block
+    alive = [name for name, r in zip(("argument", "linear output", "tanh output"), refs)
+             if r() is not None]
+    assert not alive, alive

@@ -105,7 +105,7 @@ def save_model(kind, path):
     model.save_pretrained(str(path))
 
 
-def run(tmp, name, kind_dir, flags, mode, nproc):
+def run(tmp, name, kind_dir, flags, mode, nproc, extra_env=None):
     """mode "mgrad": PADDLE_MGRAD=all + CPU fleet stand-ins + evidence; "plain": no
     paddle_mgrad (zlib imported first by a wrapper for Paddle 2.6)."""
     out_dir = tmp / name
@@ -115,6 +115,7 @@ def run(tmp, name, kind_dir, flags, mode, nproc):
         with_evidence(env, out_dir / "audit", EVIDENCE)
         switch_on(env, tmp)
         env["PMG_TEST_FLEET_CPU_STANDINS"] = "1"
+        env.update(extra_env or {})
     else:
         env.pop("PYTHONPATH", None)
         wrapper = tmp / "zlib_first.py"
@@ -172,6 +173,35 @@ def test_llm_script_two_ranks_match_one_process(config, mode, reference, tmp_pat
     for a in audits:
         where = f"{config} {mode} rank {a['rank']}"
         check_rank(config, kind, mode, a, where)
+
+
+@pytest.mark.parametrize("config", ["tp2_async", "pp2_qwen_hybrid"])
+def test_llm_script_gemm_policy(config, reference, tmp_path):
+    """``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm`` (set in the environment, nothing else changed):
+    the linears' outputs kept from the forward -- RowParallelLinear's all-reduced in place, so
+    recomputed --, fleet's recompute and recompute_hybrid both under it; loss for loss as the
+    one plain process, and GEMMs spared on every rank."""
+    kind, flags, batch = CONFIGS[config]
+    model_dir, ref_losses = reference(kind)
+    out = run(tmp_path, config, model_dir,
+              [*MGRAD, "--recompute_use_reentrant", "false",
+               "--per_device_train_batch_size", str(batch), *flags], "mgrad", 2,
+              {"PADDLE_MGRAD_RECOMPUTE_POLICY": "gemm"})
+    got = losses(out)
+    diffs = [abs(a - b) for a, b in zip(got, ref_losses)]
+    audits = [json.load(open(out / "audit" / f"audit.{r}.json")) for r in (0, 1)]
+    import paddle
+
+    print(f"\nMEASURED llm-script {config} gemm policy paddle {paddle.__version__}: max |loss "
+          f"diff| {max(diffs):.3g}; policy {[a['policy'] for a in audits]}")
+    assert len(got) == MAX_STEPS and max(diffs) <= TOL, (got, ref_losses)
+    for a in audits:
+        where = f"{config} gemm rank {a['rank']}"
+        check_rank(config, kind, "non_reentrant", a, where)
+        g = a["policy"].get("gemm", {})
+        blocks = a["recompute"]["recomputations"]
+        assert g.get("calls") == g.get("replays") == blocks > 0, (where, a["policy"])
+        assert g.get("gemms_not_recomputed", 0) > 0, (where, a["policy"])
 
 
 def check_rank(config, kind, mode, a, where):

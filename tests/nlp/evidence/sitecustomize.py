@@ -76,6 +76,9 @@ def _instrument(trainer_module):
                 "recompute": {k: after["recompute"][k] - before["recompute"][k]
                               for k in after["recompute"]},
                 "linear": {k: after["linear"][k] - before["linear"][k] for k in after["linear"]},
+                "policy": {name: {k: n - before["policy"].get(name, {}).get(k, 0)
+                                  for k, n in counters.items()}
+                           for name, counters in after["policy"].items()},
                 "paddle_c_ops": {k: after["paddle_c_ops"][k] - before["paddle_c_ops"][k]
                                  for k in after["paddle_c_ops"]},
                 "installed": registry.installed_keys(),

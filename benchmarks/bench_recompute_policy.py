@@ -1,0 +1,136 @@
+"""What a recompute policy buys: PaddleNLP's LlamaForCausalLM, step time and peak host memory
+under no recompute, full recompute and the ``gemm`` policy, interleaved in one process.
+
+    python benchmarks/bench_recompute_policy.py [--model small|wide] [--rounds 6] [--steps 3]
+
+paddle_mgrad on (``enable(recompute=True, fused_linear=True)``), fp32 master gradients through
+``MixPrecisionLayer`` kept across steps, recompute as PaddleNLP runs it (``recompute_granularity
+full``, ``recompute_use_reentrant False``: Paddle's ``recompute``, ours), the policy switched by
+``PADDLE_MGRAD_RECOMPUTE_POLICY`` alone (no model edits).  Each round runs every mode once, in a
+rotating order; a mode's figure is its minimum over rounds of the median step in the round
+(these machines are noisy: the minimum is the least disturbed).  Memory: the peak of Paddle's
+host allocator during a step above what was allocated before it (Paddle 3.x; on 2.6 the column
+says n/a).  Needs PaddleNLP (``pip install .[nlp]``).  Name the CPU with every figure.
+
+Models (4 decoder layers, seq 512): small -- hidden 256, ffn 688, 8 heads, batch 2; wide --
+hidden 1024, ffn 2752, 16 heads, batch 1.
+"""
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib  # noqa: F401  (before paddle on 2.6)
+
+MODELS = {
+    "small": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, batch=2),
+    "wide": dict(hidden_size=1024, intermediate_size=2752, num_attention_heads=16, batch=1),
+}
+MODES = ("none", "full", "gemm")
+ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="small")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+
+    import paddle
+    from paddle.base import core
+    from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+    import paddle_mgrad
+    from paddle_mgrad import stats
+
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = dict(MODELS[args.model])
+    batch = spec.pop("batch")
+    config = LlamaConfig(vocab_size=2048, num_hidden_layers=args.layers,
+                         num_key_value_heads=spec["num_attention_heads"],
+                         max_position_embeddings=args.seq, seq_length=args.seq,
+                         use_flash_attention=False, use_fused_rms_norm=False,
+                         use_fused_rope=False, recompute=True, recompute_granularity="full",
+                         recompute_use_reentrant=False, dtype="float32", **spec)
+    paddle.seed(0)
+    model = LlamaForCausalLM(config)
+    MixPrecisionLayer(model, dtype="bfloat16")  # fp32 params, fp32 main_grad kept across steps
+    ids = paddle.randint(0, config.vocab_size, [batch, args.seq + 1])
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    mem = hasattr(core, "host_memory_stat_reset_peak_value")
+
+    def step():
+        base = core.host_memory_stat_current_value("Allocated", 0) if mem else 0
+        if mem:
+            core.host_memory_stat_reset_peak_value("Allocated", 0)
+        t0 = time.perf_counter()
+        out = model(input_ids=inputs, labels=labels, use_cache=False)
+        loss = out[0] if isinstance(out, (tuple, list)) else out.loss
+        loss.backward()
+        seconds = time.perf_counter() - t0
+        peak = core.host_memory_stat_peak_value("Allocated", 0) - base if mem else None
+        return seconds, peak, float(loss)
+
+    def run(mode):
+        model.llama.enable_recompute = mode != "none"
+        if mode in ("full", "gemm"):
+            os.environ[ENV] = mode
+        try:
+            return [step() for _ in range(args.steps)]
+        finally:
+            os.environ.pop(ENV, None)
+
+    for mode in MODES:  # warm-up: op build, allocator
+        run(mode)
+    times = {m: [] for m in MODES}
+    peaks = {m: [] for m in MODES}
+    losses = {m: None for m in MODES}
+    stats.reset()
+    for r in range(args.rounds):
+        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+            results = run(mode)
+            times[mode].append(statistics.median(s for s, _, _ in results))
+            peaks[mode].append(max((p for _, p, _ in results), default=None) if mem else None)
+            losses[mode] = [lo for _, _, lo in results]
+    policy = stats.snapshot()["policy"].get("gemm", {})
+    threads = os.environ.get("OMP_NUM_THREADS", "?")
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, Paddle "
+          f"{paddle.__version__}; llama {args.model}: {args.layers} layers, hidden "
+          f"{config.hidden_size}, ffn {config.intermediate_size}, {config.num_attention_heads} "
+          f"heads, batch {batch}, seq {args.seq}; min over {args.rounds} rounds of the median "
+          f"of {args.steps} steps")
+    base_t, base_p = min(times["none"]), max(peaks["none"]) if mem else None
+    print(f"{'mode':6s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} {'peak/none':>10s}")
+    for mode in MODES:
+        t = min(times[mode])
+        p = max(peaks[mode]) if mem else None
+        print(f"{mode:6s} {t * 1e3:9.1f} {t / base_t:10.3f} "
+              + (f"{p / 2**20:9.1f} {p / base_p:10.3f}" if mem else f"{'n/a':>9s} {'n/a':>10s}"))
+    same = losses["gemm"] == losses["full"] == losses["none"]
+    print(f"losses of the last round equal in all modes: {same}; gemm policy: "
+          f"{policy.get('gemms_not_recomputed', 0)} GEMMs "
+          f"({policy.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) not recomputed, "
+          f"{policy.get('kept_bytes', 0) / 2**20:.1f} MiB kept over "
+          f"{policy.get('calls', 0)} block calls")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Recompute policies (:mod:`paddle_mgrad.recomputation.policy`): ``gemm`` keeps every fused
+linear's output from the forward and the recomputation multiplies nothing; a callable chooses
+per linear.  Every output, input gradient, ``.grad`` and ``main_grad`` must be bit-identical
+to the same model without recompute -- with in-place ops after a linear (each kind of
+:data:`in_place_ops.IN_PLACE`: a kept output changed in place must be recomputed), in both
+modes, with and without bias, over two micro-steps (``main_grad`` None, then accumulated)."""
+import numpy as np
+import paddle
+import pytest
+from in_place_ops import IN_PLACE
+from paddle.distributed.fleet.utils import recompute as paddles_recompute
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+import paddle_mgrad
+from paddle_mgrad import EnvError, linear, stats
+from paddle_mgrad.recomputation import policy as policy_mod
+
+MODES = ("reentrant", "non_reentrant")
+D, F, ROWS = 8, 12, 3
+
+
+class MLP(paddle.nn.Layer):
+    """A llama-style MLP block: ``down(silu(gate(h)) * up(h))``, ``op`` applied in place to
+    ``gate``'s output (``where="gate"``) or to the block's result before ``out`` (``"mid"``)."""
+
+    def __init__(self, op=None, where="gate", bias=True):
+        super().__init__()
+        bias_attr = None if bias else False
+        self.pre = paddle.nn.Linear(D, D, bias_attr=bias_attr)
+        self.gate = paddle.nn.Linear(D, F, bias_attr=bias_attr)
+        self.up = paddle.nn.Linear(D, F, bias_attr=bias_attr)
+        self.down = paddle.nn.Linear(F, D, bias_attr=bias_attr)
+        self.op, self.where = op, where
+
+    def block(self, h):
+        g = self.gate(h)
+        if self.op is not None and self.where == "gate":
+            g = self.op(g)
+        m = paddle.nn.functional.silu(g) * self.up(h)
+        if self.op is not None and self.where == "mid":
+            m = self.op(m)
+        return self.down(m)
+
+
+def train(how, policy=None, op=None, where="gate", bias=True, micro=2, after=None):
+    """``micro`` micro-steps of :class:`MLP` with recompute ``how`` ("none" or a mode) under
+    ``policy``; every result as numpy (or None).  ``after(out)`` runs on the block's output
+    before the loss (an in-place change after the block)."""
+    paddle_mgrad.disable()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(7)
+        net = MLP(None if op is None else IN_PLACE[op], where, bias)
+        MixPrecisionLayer(net, dtype="float16")
+        rs = np.random.RandomState(1)
+        result = {}
+        for step in range(micro):
+            x = paddle.to_tensor(rs.standard_normal([ROWS, D]).astype("float32"))
+            x.stop_gradient = False
+            h = net.pre(x)
+            if how == "none":
+                out = net.block(h)
+            else:
+                out = paddle_mgrad.recompute(net.block, h, use_reentrant=how == "reentrant",
+                                             policy=policy)
+            if after is not None:
+                after(out)
+            (out * paddle.arange(ROWS * D, dtype="float32").reshape([ROWS, D])).sum().backward()
+            result[f"out{step}"] = out.numpy()
+            result[f"x{step}.grad"] = x.grad.numpy()
+        for name, p in net.named_parameters():
+            result[name + ".grad"] = None if p.grad is None else p.grad.numpy()
+            result[name + ".main_grad"] = p.main_grad.numpy()
+        return result
+    finally:
+        paddle_mgrad.disable()
+
+
+def assert_identical(got, ref):
+    assert sorted(got) == sorted(ref)
+    unequal = [k for k in ref if not (got[k] is None and ref[k] is None)
+               and (got[k] is None or ref[k] is None or not np.array_equal(got[k], ref[k]))]
+    assert not unequal, unequal
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("op", [None, *sorted(IN_PLACE)])
+@pytest.mark.parametrize("mode", MODES)
+def test_gemm_policy_equals_no_recompute(mode, op, bias):
+    assert_identical(train(mode, "gemm", op, bias=bias), train("none", op=op, bias=bias))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gemm_policy_with_an_in_place_op_after_the_mlp(mode):
+    assert_identical(train(mode, "gemm", "add_", "mid"), train("none", op="add_", where="mid"))
+
+
+def _count_gemms_in_backward(monkeypatch, policy, op):
+    """Paddle linears run while backward runs (the recomputation's GEMMs), and the stats."""
+    calls = []
+    real = linear._paddle_linear
+    monkeypatch.setattr(linear, "_paddle_linear", lambda *a: calls.append(1) or real(*a))
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(7)
+        net = MLP(None if op is None else IN_PLACE[op])
+        h = net.pre(paddle.randn([ROWS, D]))
+        out = paddle_mgrad.recompute(net.block, h, use_reentrant=False, policy=policy)
+        calls.clear()  # (the forward's own linears)
+        out.sum().backward()
+        return len(calls), stats.snapshot()["policy"]
+    finally:
+        paddle_mgrad.disable()
+
+
+@pytest.mark.parametrize("policy, op, recomputed, kept", [
+    ("full", None, 3, None),
+    ("gemm", None, 0, 3),
+    ("gemm", "add_", 1, 2),   # gate's output changed in place: that one is recomputed
+    ("gemm", "mp_allreduce", 1, 2),
+])
+def test_what_the_recomputation_multiplies(monkeypatch, policy, op, recomputed, kept):
+    n, counters = _count_gemms_in_backward(monkeypatch, policy, op)
+    assert n == recomputed
+    if kept is None:
+        assert counters == {}
+        return
+    # gate and up [ROWS, F], down [ROWS, D], fp32
+    sizes = {"gate": ROWS * F, "up": ROWS * F, "down": ROWS * D}
+    kept_names = ["up", "down"] if op else ["gate", "up", "down"]
+    flops = {"gate": 2 * ROWS * D * F, "up": 2 * ROWS * D * F, "down": 2 * ROWS * F * D}
+    assert counters == {"gemm": {
+        "calls": 1, "kept_outputs": kept, "kept_bytes": 4 * sum(sizes[k] for k in kept_names),
+        "replays": 1, "gemms_not_recomputed": kept,
+        "gemm_flops_not_recomputed": sum(flops[k] for k in kept_names)}}
+
+
+def test_policy_from_the_environment_reaches_paddles_own_recompute(monkeypatch):
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", " GEMM ")
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(7)
+        net = MLP()
+        h = net.pre(paddle.randn([ROWS, D]))
+        paddles_recompute(net.block, h, use_reentrant=False).sum().backward()
+        # a reentrant call with a policy runs on the non-reentrant engine (counted so)
+        paddles_recompute(net.block, net.pre(paddle.randn([ROWS, D]))).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    snap = stats.snapshot()
+    assert snap["policy"]["gemm"]["calls"] == 2
+    assert snap["policy"]["gemm"]["gemms_not_recomputed"] == 6
+    assert snap["recompute"]["reentrant_as_non_reentrant"] == 1
+
+
+def test_a_bad_policy_is_named(monkeypatch):
+    with pytest.raises(ValueError, match=r"policy='gemms'.*accepted: full, gemm"):
+        policy_mod.resolve("gemms")
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "selective")
+    with pytest.raises(EnvError, match=r"PADDLE_MGRAD_RECOMPUTE_POLICY='selective'.*full"):
+        policy_mod.resolve()
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "")
+    assert policy_mod.resolve() is None  # empty: full
+    assert policy_mod.resolve("full") is None
+
+
+def test_a_callable_policy_chooses_per_linear():
+    asked = []
+
+    def wide_only(call):
+        asked.append(call)
+        return call.out_shape[-1] == F  # gate and up, not down
+
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(7)
+        net = MLP()
+        h = net.pre(paddle.randn([ROWS, D]))
+        paddle_mgrad.recompute(net.block, h, use_reentrant=False,
+                               policy=wide_only).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    assert [c.weight is p for c, p in zip(asked, (net.gate.weight, net.up.weight,
+                                                   net.down.weight))] == [True] * 3
+    assert [(c.kind, c.x_shape, c.out_shape, c.flops, c.out_bytes, c.dtype) for c in asked] == [
+        ("gemm", (ROWS, D), (ROWS, F), 2 * ROWS * D * F, 4 * ROWS * F, "paddle.float32")] * 2 + [
+        ("gemm", (ROWS, F), (ROWS, D), 2 * ROWS * F * D, 4 * ROWS * D, "paddle.float32")]
+    counters = stats.snapshot()["policy"]["wide_only"]
+    assert (counters["kept_outputs"], counters["gemms_not_recomputed"]) == (2, 2)
+    # and the callable's choice is bit-identical too
+    assert_identical(train("non_reentrant", wide_only), train("none"))
+
+
+def test_an_output_changed_after_the_block_is_recomputed():
+    """The block's result (``down``'s kept output) scaled in place after the block: the
+    recomputation must not hand back the changed values (``down``'s input gradient needs
+    none of them, and the ops after it saved none: without recompute this works)."""
+    after = lambda out: out.scale_(3.0)  # noqa: E731
+    for mode in MODES:
+        assert_identical(train(mode, "gemm", after=after), train("none", after=after))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_paddle_grad_then_backward_under_gemm(mode):
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(7)
+        net = MLP()
+        x = paddle.randn([ROWS, D])
+        x.stop_gradient = False
+        h = net.pre(x)
+        out = paddle_mgrad.recompute(net.block, h, use_reentrant=mode == "reentrant",
+                                     policy="gemm")
+        # paddle.grad replays the block (a copy of the graph), twice; then one backward
+        (gx,) = paddle.grad([out.sum()], [x], retain_graph=True)
+        (gx2,) = paddle.grad([out.sum()], [x], retain_graph=True)
+        out.sum().backward()
+        paddle.seed(7)  # the same model without recompute
+        plain = MLP()
+        xp = paddle.to_tensor(x.numpy())
+        xp.stop_gradient = False
+        o = plain.block(plain.pre(xp))
+        (gp,) = paddle.grad([o.sum()], [xp], retain_graph=True)
+        o.sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    np.testing.assert_array_equal(gx.numpy(), gp.numpy())
+    np.testing.assert_array_equal(gx2.numpy(), gp.numpy())
+    # each of the three passes replayed the block, and none multiplied
+    counters = stats.snapshot()["policy"]["gemm"]
+    assert (counters["replays"], counters["gemms_not_recomputed"]) == (3, 9), counters
+    for p, q in zip(net.parameters(), plain.parameters()):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def test_offload_keeps_the_reentrant_engine():
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(7)
+        net = MLP()
+        x = paddle.randn([ROWS, D])
+        x.stop_gradient = False
+        h = net.pre(x)
+        paddle_mgrad.recompute(net.block, h, offload_indices=[0],
+                               policy="gemm").sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    snap = stats.snapshot()
+    assert snap["policy"] == {} and snap["recompute"]["reentrant_as_non_reentrant"] == 0
+    assert snap["recompute"]["reentrant"] == 1
