@@ -16,7 +16,7 @@ import zipfile
 
 import pytest
 
-from conftest import PADDLE2
+from helpers import PADDLE2
 from paddle_mgrad import FlagError
 from paddle_mgrad.switch import parse_activation
 

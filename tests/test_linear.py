@@ -6,7 +6,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2
+from helpers import PADDLE2
 from paddle_mgrad import FusedLinearError, FusedLinearWithGradAdd, fused_linear, stats
 
 

@@ -15,7 +15,7 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2
+from helpers import PADDLE2
 from paddle_mgrad import stats
 
 F = paddle.nn.functional

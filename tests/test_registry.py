@@ -2,7 +2,7 @@
 import paddle
 
 import paddle_mgrad
-from conftest import PADDLE2
+from helpers import PADDLE2
 from paddle_mgrad import registry
 
 

@@ -22,7 +22,7 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2, ROOT, TESTS
+from helpers import PADDLE2, ROOT, TESTS
 from paddle_mgrad import stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -16,7 +16,7 @@ import sys
 import paddle
 import pytest
 
-from conftest import PADDLE2, ROOT
+from helpers import PADDLE2, ROOT
 from paddle_mgrad import _cli, ops
 from paddle_mgrad.diagnostics import doctor
 from paddle_mgrad.ops import _build, build_config

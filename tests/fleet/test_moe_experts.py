@@ -13,7 +13,7 @@ from paddle.distributed.fleet.utils import recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2
+from helpers import PADDLE2
 from paddle_mgrad import stats
 
 K, N, EXPERTS, TOKENS = 6, 5, 3, 8

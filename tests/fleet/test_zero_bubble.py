@@ -11,7 +11,7 @@ from paddle.distributed.fleet.utils import recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2
+from helpers import PADDLE2
 from paddle_mgrad import registry, stats
 
 MODULE = "paddle.distributed.fleet.meta_parallel.zero_bubble_utils"

@@ -35,16 +35,8 @@ import zlib  # noqa: F401  (before paddle)
 
 import numpy as np
 import paddle
+import paddleformers  # without it, tests/conftest.py skips this module
 import pytest
-
-try:
-    import paddleformers
-except ImportError:
-    if os.environ.get("PADDLE_MGRAD_NO_FORMERS") == "1":
-        pytest.skip("PADDLE_MGRAD_NO_FORMERS=1: PaddleFormers tests skipped on purpose",
-                    allow_module_level=True)
-    raise ImportError("tests/formers needs paddleformers==1.2.0 (`nox -s formers` installs it with "
-                      "its pins); set PADDLE_MGRAD_NO_FORMERS=1 to skip these tests on purpose") from None
 
 from script_runs import launch, script_env, switch_on, with_evidence  # tests/
 

@@ -181,8 +181,7 @@ def test_flags_only_no_json(tmp_path):
     import sys
 
     import cpu_nlp_standins
-
-    from conftest import EVIDENCE, EXAMPLE, ROOT
+    from llama_example_runs import EVIDENCE, EXAMPLE, ROOT
 
     out_dir = tmp_path / "flags"
     cmd = [sys.executable, EXAMPLE, "--output_dir", str(out_dir), "--max_steps", "2",

@@ -32,7 +32,7 @@ from cache_probe import (
     result,
     run_probe,
 )
-from conftest import ROOT
+from helpers import ROOT
 from paddle_mgrad.ops import _build
 
 PROBE = textwrap.dedent("""

@@ -16,7 +16,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2, run_probe_script
+from helpers import PADDLE2, run_probe_script
 from paddle_mgrad import RecomputeError, stats
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 

@@ -23,7 +23,7 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from conftest import PADDLE2, ROOT
+from helpers import PADDLE2, ROOT
 from paddle_mgrad import RecomputeError
 from paddle_mgrad.recomputation import non_reentrant, saved_hooks
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone

@@ -16,7 +16,7 @@ from paddle.autograd import PyLayer
 from paddle.distributed.fleet.utils import recompute as native_recompute
 
 import paddle_mgrad
-from conftest import run_probe_script
+from helpers import run_probe_script
 from paddle_mgrad import registry
 
 MODES = ["none", "non_reentrant", "reentrant"]

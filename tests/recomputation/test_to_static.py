@@ -19,7 +19,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import PADDLE2, ROOT
+from helpers import PADDLE2, ROOT
 
 # heavy (two trainings); one worker runs them all: the module-scoped ``runs`` once, not per worker
 pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("to_static_runs")]

@@ -19,8 +19,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("paddlenlp")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "train_hybrid.py")
 sys.path.insert(0, HERE)
