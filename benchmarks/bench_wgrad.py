@@ -6,14 +6,18 @@ cores), in one run; every figure is also printed as a ratio against a baseline
 measured in the same run:
 
 * ``ours fp32``   -- ``paddle_mgrad.ops.fused_linear_param_grad_add`` on fp32 inputs
-  (beta = 1, in place), against the fastest plain sgemm of the same product:
-  numpy's BLAS (``xᵀ @ dy``, no accumulation) and raw oneDNN ``dnnl_sgemm`` called
-  through ctypes (beta = 1, the GEMM our op uses);
+  (beta = 1, in place), labelled with the GEMM the op's backend runs (``dnnl_sgemm`` for
+  ``cpp-onednn``, the portable OpenMP sgemm for ``cpp-portable``, Paddle's matmul for the
+  pure-Paddle fallback), against the fastest plain sgemm of the same product: numpy's BLAS
+  (``xᵀ @ dy``, no accumulation) and raw oneDNN ``dnnl_sgemm`` called through ctypes
+  (beta = 1);
 * ``ours bf16``   -- the op on bf16 inputs along the path the CPU gets at run time
   (``ops.cpu_info()``), and both forced paths (``PADDLE_MGRAD_CPU_BF16=native|widen``),
   as throughput / ``ours fp32``;
-* ``unfused``     -- what Paddle does without the fusion (``matmul`` of fp32 copies,
-  then ``cast`` + ``add_``).
+* ``unfused``     -- what Paddle does on CPU without the fusion for a bf16 weight under
+  O2 AMP with ``main_grad``: ``matmul`` of fp32 copies (Paddle's CPU matmul has no bf16
+  kernel), the weight gradient cast down to the bf16 parameter's dtype (the ``cast`` op's
+  backward), then cast up and ``add_`` into the fp32 ``main_grad`` (MixPrecisionLayer's hook).
 
 Targets (issue 10): bf16 throughput >= 0.85x fp32 without native bf16, >= 1.8x with
 it; ``ours fp32`` time <= 1.1x the fastest plain sgemm.  ``--fp64`` adds float64 (our
@@ -78,6 +82,11 @@ def dnnl_sgemm():
     return f
 
 
+# The GEMM each CPU tier of the op (``ops.backends()["cpu"]``) runs for fp32 inputs.
+FP32_GEMM = {"cpp-onednn": "dnnl_sgemm", "cpp-portable": "portable OpenMP sgemm",
+             "python": "pure-Paddle fallback: Paddle's matmul"}
+
+
 def with_bf16_path(path, fn):
     old = os.environ.get("PADDLE_MGRAD_CPU_BF16")
     os.environ["PADDLE_MGRAD_CPU_BF16"] = path
@@ -112,6 +121,8 @@ def main():
     print(f"paddle {paddle.__version__}, op backend {ops.backend()}, threads {_threads}, "
           f"tokens {args.tokens}, numpy {np.__version__}")
     sg = dnnl_sgemm()
+    fallback = ops.backends()["cpu"] == "python"
+    ours32 = f"ours fp32 ({FP32_GEMM[ops.backends()['cpu']]})"
     rows, summary = [], []
     for shape in args.shapes.split(","):
         K, N = map(int, shape.split("x"))
@@ -133,28 +144,29 @@ def main():
                 path, lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False))
 
         # Closures bind this shape's arrays now (default arguments, partial).
-        v = {"ours fp32 (dnnl_sgemm)": op(x32, y32), "numpy sgemm": lambda xn=xn, yn=yn: xn.T @ yn}
+        v = {ours32: op(x32, y32), "numpy sgemm": lambda xn=xn, yn=yn: xn.T @ yn}
         if sg is not None:
             v["raw dnnl_sgemm"] = functools.partial(sg, b"T", b"N", K, N, T, 1.0, xn.ctypes.data, K,
                                                     yn.ctypes.data, N, 1.0, cn.ctypes.data, N)
         v[f"ours bf16 ({info['bf16_path']}, auto)"] = op(xb, yb)
-        v["ours bf16 (widen-sgemm, forced)"] = op(xb, yb, path="widen")
-        if not args.no_native:
-            v["ours bf16 (onednn-bf16, forced)"] = op(xb, yb, path="native")
-        v["ours fp16 (widen-sgemm)"] = op(xh, yh)
+        if not fallback:  # the fallback has no bf16 paths to force
+            v["ours bf16 (widen-sgemm, forced)"] = op(xb, yb, path="widen")
+            if not args.no_native and ops.backends()["cpu"] == "cpp-onednn":  # needs oneDNN
+                v["ours bf16 (onednn-bf16, forced)"] = op(xb, yb, path="native")
+        v[f"ours fp16 ({FP32_GEMM['python'] if fallback else 'widen-sgemm'})"] = op(xh, yh)
         if not args.no_unfused:
             def unfused(xb=xb, yb=yb, mg=mg):
                 g = paddle.matmul(xb.astype("float32"), yb.astype("float32"), transpose_x=True)
-                mg.add_(g.astype("float32"))
-            v["Paddle unfused bf16 (cast+matmul+add_)"] = unfused
+                mg.add_(g.astype("bfloat16").astype("float32"))
+            v["Paddle unfused bf16 (cast+matmul+cast to bf16+cast+add_)"] = unfused
         if args.fp64:
             x64, y64 = xn.astype("float64"), yn.astype("float64")
             xd, yd = paddle.to_tensor(x64), paddle.to_tensor(y64)
             md = paddle.zeros([K, N], "float64")
-            v["ours fp64 (blocked DGEMM)"] = op(xd, yd, md)
+            v[f"ours fp64 ({FP32_GEMM['python'] if fallback else 'blocked DGEMM'})"] = op(xd, yd, md)
             v["numpy dgemm"] = lambda x64=x64, y64=y64: x64.T @ y64
         t = bench_all(v, args.repeat)
-        t32 = t["ours fp32 (dnnl_sgemm)"]
+        t32 = t[ours32]
         t_plain = min(t["numpy sgemm"], t.get("raw dnnl_sgemm", float("inf")))
         for what, tw in t.items():
             dt = what.split()[1] if what.startswith("ours") else (

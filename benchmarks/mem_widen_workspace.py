@@ -5,12 +5,14 @@ workspace that stays allocated between calls (a fresh 10-80 MiB buffer per call 
 fault per 4 KiB); a same-precision weight gradient (``multi_precision=False``) also keeps an
 fp32 product buffer.  oneDNN keeps its own per-thread packing buffers.  This script measures,
 in one fresh process per case, the resident memory (VmRSS) a thread adds by its first op call,
-all inputs and accumulators allocated and touched beforehand, and prints it next to what
-``csrc/wgrad_cpu.cc`` computes for its own buffers:
+all inputs and accumulators allocated and touched beforehand, and prints it next to the bytes
+the op library says it keeps for that thread (``pmg_cpu_thread_scratch_bytes``, C ABI of
+``csrc/wgrad_capi.cc``: the sizes ``csrc/wgrad_cpu.cc`` allocated, page-rounded; the sizing
+rule is in docs/limits.md).  The rest of the RSS is oneDNN's buffers and allocator caching.
 
-    widen workspace  = rows * (K + N) * 4 bytes, rows = min(M, max(256, 64 MiB / ((K + N) * 4)))
-                       split into equal chunks (M = 4096 at a 2048-row budget: 2 x 2048)
-    product buffer   = K * N * 4 bytes (multi_precision=False; kept only when <= 64 MiB)
+When the C++ op is not in use (the pure-Paddle fallback: it did not build, or
+``PADDLE_MGRAD_OPS=python``), the RSS column is Paddle's own temporaries: the row says so and
+shows no buffers of ours.
 
     python benchmarks/mem_widen_workspace.py [--shapes 4096x4096x4096,...]
 """
@@ -21,14 +23,19 @@ import subprocess
 import sys
 
 CASE = r"""
-import json, os, sys, threading, zlib
+import ctypes, json, os, sys, threading, zlib
 import paddle
 from paddle_mgrad import ops
+from paddle_mgrad.ops import _build
 
 T, K, N, dtype, mp, path, second = sys.argv[1:8]
 T, K, N, mp, second = int(T), int(K), int(N), mp == "1", second == "1"
 os.environ["PADDLE_MGRAD_CPU_BF16"] = path
-ops.load()
+module = ops.load()
+kept = None  # the pure-Paddle fallback keeps nothing of ours
+if module is not None:
+    kept = ctypes.CDLL(_build.library_path(module)).pmg_cpu_thread_scratch_bytes
+    kept.restype = ctypes.c_uint64
 
 def rss():
     with open("/proc/self/status") as f:
@@ -43,13 +50,13 @@ acc = paddle.zeros([K, N], "float32" if mp else dtype)
 paddle.zeros([8, 8])  # allocator warm
 small = paddle.ones([8, 8]).astype(dtype)
 ops.fused_linear_param_grad_add(small, small, None, None, mp, False)  # op + threads warm
-out = {}
+out = {"backend": ops.backend()}
 def first_call(tag):
     before = rss()
     ops.fused_linear_param_grad_add(x, dy, acc, None, mp, False)
     mid = rss()
     ops.fused_linear_param_grad_add(x, dy, acc, None, mp, False)
-    out[tag] = (mid - before, rss() - before)
+    out[tag] = (mid - before, rss() - before, None if kept is None else kept())
 first_call("main thread")
 if second:
     t = threading.Thread(target=first_call, args=("second thread",)); t.start(); t.join()
@@ -57,28 +64,14 @@ print("RESULT", json.dumps(out))
 """
 
 
-def ours(T, K, N, mp, path, dtype):
-    """Bytes of our own kept buffers for this call (csrc/wgrad_cpu.cc's arithmetic)."""
-    budget, widen = 64 << 20, dtype == "float16" or path == "widen"
-    total = 0
-    if widen:
-        rows = min(T, max(256, budget // ((K + N) * 4)))
-        chunks = -(-T // rows)
-        rows = -(-T // chunks)
-        total += rows * (K + N) * 4
-    if not mp and K * N * 4 <= budget:
-        total += K * N * 4
-    return total
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096x4096,4096x1024x4096,4096x4096x32000")
     args = ap.parse_args()
     MiB = 1 << 20
-    print("| T x K x N | dtype | path | multi_precision | our buffers (MiB) | RSS added, "
-          "1st call (MiB) | after a 2nd call | 2nd thread, 1st call |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T x K x N | dtype | path | multi_precision | op backend | our kept buffers (MiB) | "
+          "RSS added, 1st call (MiB) | after a 2nd call | 2nd thread, 1st call |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         T, K, N = map(int, shape.split("x"))
         for dtype, path, mp in (("bfloat16", "widen", True), ("bfloat16", "widen", False),
@@ -88,12 +81,17 @@ def main():
                                env=dict(os.environ))
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
             if r.returncode != 0 or not line:
-                print(f"| {shape} | {dtype} | {path} | {mp} | failed: {r.stderr[-300:]} |")
+                print(f"| {shape} | {dtype} | {path} | {mp} | | failed: {r.stderr[-300:]} |")
                 continue
             res = json.loads(line[0][6:])
-            main_, second = res["main thread"], res.get("second thread", (0, 0))
-            kept = ours(T, K, N, mp, path, dtype) / MiB
-            print(f"| {shape} | {dtype} | {path} | {mp} | {kept:.1f}"
+            main_, second = res["main thread"], res.get("second thread", (0, 0, None))
+            if main_[2] is None:
+                kept = "none (pure-Paddle fallback: the RSS is Paddle's)"
+            else:
+                kept = f"{main_[2] / MiB:.1f}"
+                if second[2] is not None and second[2] != main_[2]:
+                    kept += f" (2nd thread {second[2] / MiB:.1f})"
+            print(f"| {shape} | {dtype} | {path} | {mp} | {res['backend']} | {kept}"
                   f" | {main_[0] / MiB:.1f} | {main_[1] / MiB:.1f} | {second[0] / MiB:.1f} |")
 
 

@@ -294,6 +294,8 @@ const char* pmg_cpu_gemm_backend() { return pmg::cpu_gemm_backend(); }
 // ("onednn-bf16" or "widen-sgemm"; PADDLE_MGRAD_CPU_BF16 forces one).
 const char* pmg_cpu_isa() { return pmg::cpu_isa(); }
 const char* pmg_cpu_bf16_path() { return pmg::cpu_bf16_path(); }
+// What the CPU path keeps for the calling thread between calls (pmg::cpu_thread_scratch_bytes).
+uint64_t pmg_cpu_thread_scratch_bytes() { return pmg::cpu_thread_scratch_bytes(); }
 
 int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                     void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,

@@ -63,6 +63,10 @@ const char* cpu_isa();
 // True when the CPU has native bf16 dot products (avx512_bf16 or AMX-BF16) usable
 // by the OS AND oneDNN will use them (ONEDNN_MAX_CPU_ISA=AVX2 or lower says no).
 bool cpu_has_native_bf16();
+// Bytes of the scratch buffers the CPU path keeps for the calling thread between calls (the
+// widen workspace and the fp32 product of a same-precision weight gradient); 0 before the
+// thread's first call that needs one.
+size_t cpu_thread_scratch_bytes();
 
 // How bf16 inputs are multiplied on the CPU, decided at run time on each call:
 //   "onednn-bf16"  oneDNN's dnnl_gemm_bf16bf16f32 (native bf16 CPUs),

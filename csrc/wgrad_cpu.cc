@@ -229,15 +229,21 @@ std::string widen_chunk_rows(int64_t M, int64_t K, int64_t N, int64_t* rows) {
 // 4 KiB page (measured: 21k faults, ~10% of a 4096x1024x4096 bf16 call).
 enum Scratch { kWidenScratch = 0, kAccumScratch = 1, kScratchKinds = 2 };
 
+struct ThreadScratch {
+  float* p[kScratchKinds] = {};
+  size_t bytes[kScratchKinds] = {};
+  ~ThreadScratch() {
+    for (float* q : p) std::free(q);
+  }
+};
+
+ThreadScratch& this_thread_scratch() {
+  static thread_local ThreadScratch ws;
+  return ws;
+}
+
 float* thread_scratch(Scratch which, int64_t n) {
-  struct Ws {
-    float* p[kScratchKinds] = {};
-    size_t bytes[kScratchKinds] = {};
-    ~Ws() {
-      for (float* q : p) std::free(q);
-    }
-  };
-  static thread_local Ws ws;
+  ThreadScratch& ws = this_thread_scratch();
   const size_t bytes = ((static_cast<size_t>(n) * 4 + 4095) / 4096) * 4096;
   if (bytes > ws.bytes[which]) {
     std::free(ws.p[which]);
@@ -429,6 +435,13 @@ bool small_product(const WgradArgs& a) {
 }
 
 }  // namespace
+
+size_t cpu_thread_scratch_bytes() {
+  const ThreadScratch& ws = this_thread_scratch();
+  size_t total = 0;
+  for (size_t b : ws.bytes) total += b;
+  return total;
+}
 
 std::string wgrad_cpu(const WgradArgs& a) {
   // Environment first: a bad knob (changed after import) fails before anything is written.

@@ -1,13 +1,17 @@
 """What test modules share: where the checkout and the test helpers are, which Paddle major runs
-the suite, and a probe script in a fresh interpreter.  Test files import it by name (``tests/`` is
-on ``sys.path`` once pytest has loaded ``tests/conftest.py``); conftest.py itself holds only
-fixtures and hooks, because pytest imports every ``conftest.py`` under the module name
-``conftest`` and the last one loaded wins."""
+the suite (and which op backend it implies), and a probe script in a fresh interpreter.  Test
+files import it by name (``tests/`` is on ``sys.path`` once pytest has loaded
+``tests/conftest.py``); conftest.py itself holds only fixtures and hooks, because pytest imports
+every ``conftest.py`` under the module name ``conftest`` and the last one loaded wins."""
 import os
+import re
 import subprocess
 import sys
 import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
+import paddle
+
+from paddle_mgrad import env as mgrad_env
 from paddle_mgrad._compat import IS_PADDLE_2
 
 PADDLE2 = IS_PADDLE_2
@@ -23,3 +27,24 @@ def run_probe_script(name, *args, timeout=300):
     return subprocess.run([sys.executable, os.path.join(TESTS, name), *args],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+
+
+def expected_cpu_backend(environ=None):
+    """The CPU tier of the op backend that a process with ``environ`` (default: this one's)
+    must get on this Paddle, from what decides it and not from the op itself:
+    ``"python"`` under ``PADDLE_MGRAD_OPS=python``; otherwise our C++ op, ``"cpp-onednn"``
+    where Paddle says it was compiled with oneDNN (MKLDNN) and ``PADDLE_MGRAD_NO_ONEDNN`` is
+    off, else ``"cpp-portable"``.  (A failed build also ends in ``"python"``: that is the
+    failure this expectation exists to catch.)"""
+    if mgrad_env.get("PADDLE_MGRAD_OPS", environ) == "python":
+        return "python"
+    if paddle.base.core.is_compiled_with_mkldnn() \
+            and not mgrad_env.get("PADDLE_MGRAD_NO_ONEDNN", environ):
+        return "cpp-onednn"
+    return "cpp-portable"
+
+
+def cpu_backend(backend):
+    """The CPU tier of a backend string such as ``"cpp-onednn+cuda"`` or
+    ``"cpp-portable;gpu=python"`` (on a CPU Paddle, the whole string)."""
+    return re.split(r"[+;]", backend, maxsplit=1)[0]

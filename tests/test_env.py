@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from paddle_mgrad import EnvError, FlagError, env
+from paddle_mgrad import EnvError, env
 from test_autoload import PTH, activation_lines, run_py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,7 +97,6 @@ def test_invalid_values_name_the_variable_and_what_it_accepts(name, text):
     with pytest.raises(EnvError) as e:
         env.get(name, {name: text})
     msg = str(e.value)
-    assert isinstance(e.value, FlagError) and isinstance(e.value, ValueError)
     assert "\n" not in msg and name in msg
     if name != "PADDLE_MGRAD":  # that one's message is the switch's own (lists the values)
         assert msg == f"{name}={text!r} is not valid; accepted: {knob.accepted}"

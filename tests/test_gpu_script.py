@@ -43,9 +43,42 @@ def test_check_result_catches_nan_and_excess():
     assert not gpu.check_result(np.array([np.nan, 2.0]), want, bound)[0]
 
 
-def test_include_dir_search_is_a_list():
-    assert isinstance(gpu.cuda_include_dirs(), list)
-    assert isinstance(gpu.cublas_lib_dirs(), list)
+def _file(path, text=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_include_and_lib_dir_search_finds_toolkit_then_wheels(tmp_path, monkeypatch):
+    """A CUDA 13 toolkit without cuBLASLt (CUDA_HOME) and the nvidia-cublas wheel on sys.path:
+    the script's include search returns the toolkit's include directory first, then the
+    wheel's (and, when asked for thrust, CUDA 13's cccl directory last); the library search
+    returns the wheel's lib directory."""
+    home = tmp_path / "cuda-13.0"
+    nvcc = _file(home / "bin" / "nvcc", "#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    _file(home / "include" / "cuda_runtime_api.h", "#define CUDART_VERSION 13000\n")
+    _file(home / "include" / "cuda_runtime.h")
+    _file(home / "lib64" / "libcudart.so.13")
+    _file(home / "include" / "cccl" / "thrust" / "complex.h")
+    site = tmp_path / "site-packages"
+    wheel = site / "nvidia" / "cu13"
+    _file(wheel / "include" / "cublasLt.h")
+    _file(wheel / "lib" / "libcublasLt.so.13")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.syspath_prepend(str(site))
+
+    # the script's default: find_cuda over this environment and sys.path
+    assert gpu.cuda_include_dirs() == [str(home / "include"), str(wheel / "include")]
+    assert gpu.cublas_lib_dirs() == [str(wheel / "lib")]
+    tk = gpu.toolkit(need_thrust=True)
+    assert tk.ok, tk.problem()
+    assert gpu.cuda_include_dirs(tk) == [str(home / "include"), str(wheel / "include"),
+                                         str(home / "include" / "cccl")]
+    # without the wheel: no cuBLASLt directory, and only the toolkit's headers
+    no_wheel = gpu.bc.find_cuda(search_paths=[], environ={"CUDA_HOME": str(home)})
+    assert gpu.cublas_lib_dirs(no_wheel) == []
+    assert gpu.cuda_include_dirs(no_wheel) == [str(home / "include")]
 
 
 def test_paddle_free_cpu_core_through_ctypes(tmp_path):

@@ -61,6 +61,11 @@ def test_enable_false_switches_feature_off():
     assert not paddle_mgrad.enabled()["recompute"]
 
 
-def test_version_and_error_class():
+def test_version_and_error_classes():
+    """The documented error classes: ``except ValueError`` catches the op's, the flags' and the
+    environment variables' errors, ``except RuntimeError`` the recomputation's."""
     assert paddle_mgrad.__version__.count(".") == 2
     assert issubclass(paddle_mgrad.RecomputeError, RuntimeError)
+    assert issubclass(paddle_mgrad.FusedLinearError, ValueError)
+    assert issubclass(paddle_mgrad.FlagError, ValueError)
+    assert issubclass(paddle_mgrad.EnvError, paddle_mgrad.FlagError)

@@ -6,6 +6,7 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from helpers import cpu_backend, expected_cpu_backend
 from paddle_mgrad import trainer as T
 from paddle_mgrad.diagnostics.audit import MainGradAudit
 
@@ -18,8 +19,22 @@ def targs(**kw):
 
 def test_apply_enables_by_default_when_recompute_is_on():
     info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
-    assert info["recompute"] and info["fused_linear"] and info["op_backend"].startswith("cpp-")
+    assert info["recompute"] and info["fused_linear"]
+    assert cpu_backend(info["op_backend"]) == expected_cpu_backend(), info["op_backend"]
     assert paddle_mgrad.enabled() == {"recompute": True, "fused_linear": True}
+
+
+def test_expected_backend_follows_paddle_and_the_variables():
+    """The suite's expectation of the op backend (tests/helpers.py), for the tests that check
+    what a training process reports."""
+    onednn = paddle.base.core.is_compiled_with_mkldnn()
+    assert expected_cpu_backend({}) == ("cpp-onednn" if onednn else "cpp-portable")
+    assert expected_cpu_backend({"PADDLE_MGRAD_NO_ONEDNN": "1"}) == "cpp-portable"
+    assert expected_cpu_backend({"PADDLE_MGRAD_NO_ONEDNN": "0"}) == expected_cpu_backend({})
+    assert expected_cpu_backend({"PADDLE_MGRAD_OPS": "python"}) == "python"
+    assert [cpu_backend(b) for b in ("cpp-onednn", "cpp-onednn+cuda", "cpp-portable;gpu=python",
+                                     "python;gpu=python")] == \
+        ["cpp-onednn", "cpp-onednn", "cpp-portable", "python"]
 
 
 def test_apply_respects_switches():

@@ -248,13 +248,36 @@ BAD = [
 ]
 
 
+def _what_the_call_got(x, dout, dweight, dbias, multi_precision, has_bias):
+    """What the error must name of the call: a non-Tensor x / dout by its type; a bad flag by
+    its value and type; otherwise every operand the call uses (dbias only with has_bias), a
+    Tensor by its shape and dtype, anything else by its type."""
+    if not (isinstance(x, paddle.Tensor) and isinstance(dout, paddle.Tensor)):
+        return [f"got {type(x).__name__} and {type(dout).__name__}"]
+    for flag in (multi_precision, has_bias):
+        if not isinstance(flag, bool):
+            return [f"got {flag!r} ({type(flag).__name__})"]
+
+    def named(name, t):
+        if not isinstance(t, paddle.Tensor):
+            return f"{name} {type(t).__name__}"
+        return f"{name} {list(t.shape)} {str(t.dtype).split('.')[-1]}"
+
+    operands = [("x", x), ("dout", dout), ("dweight", dweight), ("dbias", dbias if has_bias else None)]
+    return [named(name, t) for name, t in operands if t is not None]
+
+
 @pytest.mark.parametrize("name,make,needle", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_raises_clear_error(backend, name, make, needle):
-    """Bad input on both backends (C++ op, pure-Paddle): FusedLinearError naming the problem."""
+    """Bad input on both backends (C++ op, pure-Paddle): FusedLinearError naming the problem
+    and what the call was given (shapes and dtypes of its operands, or the bad value)."""
+    args = make()
     with pytest.raises(FusedLinearError) as e:
-        ops.fused_linear_param_grad_add(*make())
-    assert needle in str(e.value)
-    assert isinstance(e.value, ValueError)
+        ops.fused_linear_param_grad_add(*args)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg, msg
+    for what in _what_the_call_got(*args):
+        assert what in msg, (what, msg)
 
 
 def _run_isolated(code, env_extra):
@@ -588,6 +611,47 @@ def test_same_precision_weight_grad_around_the_scratch_budget(dtype):
         assert out_w is dw and out_w.data_ptr() == ptr
         prod = _as64(x).T @ _as64(dy)
         _check_close(out_w, start + prod, start + prod, dtype)
+
+
+def test_kept_scratch_is_what_the_calling_thread_holds():
+    """``pmg_cpu_thread_scratch_bytes`` (C ABI; what benchmarks/mem_widen_workspace.py reports
+    as our kept buffers) counts the calling thread's kept buffers, page-rounded: nothing before
+    a call that needs one or after an fp32 call; the widen workspace of ``rows * (K + N)``
+    floats (rows forced: 100 rows as 2 chunks of 50); that plus the fp32 product of a
+    same-precision weight gradient; and nothing of another thread's."""
+    import ctypes
+    import threading
+
+    from paddle_mgrad.ops import _build
+
+    kept = ctypes.CDLL(_build.library_path(ops.load())).pmg_cpu_thread_scratch_bytes
+    kept.restype = ctypes.c_uint64
+    page = 4096
+
+    def pages(floats):
+        return -(-floats * 4 // page) * page
+
+    M, K, N, rows = 100, 24, 40, 50
+    x32, dy32 = paddle.rand([M, K]), paddle.rand([M, N])
+    x, dy = x32.astype("bfloat16"), dy32.astype("bfloat16")
+    seen = {}
+
+    def calls():
+        seen["fresh"] = kept()
+        ops.fused_linear_param_grad_add(x32, dy32, None, None, True, False)
+        seen["fp32"] = kept()
+        with _bf16_path("widen"), _chunk_rows(rows):
+            ops.fused_linear_param_grad_add(x, dy, None, None, True, False)
+            seen["widen"] = kept()
+            ops.fused_linear_param_grad_add(x, dy, None, None, False, False)
+            seen["same precision"] = kept()
+
+    for _ in range(2):  # the second thread starts from nothing again
+        t = threading.Thread(target=calls)
+        t.start()
+        t.join()
+        assert seen == {"fresh": 0, "fp32": 0, "widen": pages(rows * (K + N)),
+                        "same precision": pages(rows * (K + N)) + pages(K * N)}, seen
 
 
 def _every_half(dtype):

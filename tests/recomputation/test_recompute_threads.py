@@ -1,8 +1,9 @@
 """Recompute from several Python threads at once (issue 15).
 
 Paddle has one process-wide slot for saved-tensor hooks.  Non-reentrant recompute from 4
-threads (each its own model, 50 iterations each) lost 139-145 of 200 iterations' gradients
-(neither ``main_grad`` nor ``.grad``, no error).  Now each thread's recompute acts only for
+threads (each its own model, 50 iterations each) lost most of the 200 iterations' gradients
+(neither ``main_grad`` nor ``.grad``, no error; the counts per Paddle version are in
+docs/how-it-works.md, "Recompute from several threads").  Now each thread's recompute acts only for
 that thread (``recomputation/saved_hooks.py``): every iteration is compared with a
 single-threaded run of the same model and data.  Also: tensors saved by a thread that is not
 recomputing pass through untouched (the very parameter for a PyLayer, Paddle's in-place
