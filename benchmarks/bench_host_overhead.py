@@ -41,6 +41,7 @@ if ROOT not in sys.path:
 import zlib  # noqa: F401,E402  (before paddle: Paddle 2.6)
 
 import paddle  # noqa: E402
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py; bench_host_floor reads it here)
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer  # noqa: E402
 
 import paddle_mgrad  # noqa: E402
@@ -122,16 +123,6 @@ def run_cell(blocks, x0, row, rmode, steps):
         raise SystemExit(f"{row}/{rmode}: into_main_grad grew by {got}, expected {want} "
                          "(the fused path was not taken for every linear)")
     return times
-
-
-def cpu_name():
-    """The CPU's model name (/proc/cpuinfo), "?" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "?"
 
 
 def percentile(samples, q):

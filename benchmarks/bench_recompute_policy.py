@@ -17,11 +17,12 @@ hidden 1024, ffn 2752, 16 heads, batch 1.
 """
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 import zlib  # noqa: F401  (before paddle on 2.6)
+
+from machine import cpu_name  # benchmarks/machine.py
 
 MODELS = {
     "small": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, batch=2),
@@ -29,17 +30,6 @@ MODELS = {
 }
 MODES = ("none", "full", "gemm")
 ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main():

@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import functools
 import os
-import platform
 import time
 
 _threads = os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -40,6 +39,7 @@ import zlib  # noqa: E402,F401  (before paddle on 2.6)
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py)
 
 from paddle_mgrad import ops  # noqa: E402
 
@@ -56,17 +56,6 @@ def bench_all(variants, repeat):
             fn()
             ts[name].append(time.perf_counter() - t0)
     return {name: min(v) for name, v in ts.items()}
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def dnnl_sgemm():
@@ -116,7 +105,7 @@ def main():
         raise SystemExit(f"the C++ op is not in use (backend {ops.backend()}: "
                          f"{ops.fallback_reason()}); pass --allow-fallback to time it anyway")
     info = ops.cpu_info()
-    print(f"CPU {cpu_model()}; ISA: {info['isa']}; native bf16: {info['native_bf16']}; "
+    print(f"CPU {cpu_name()}; ISA: {info['isa']}; native bf16: {info['native_bf16']}; "
           f"bf16 path chosen at run time: {info['bf16_path']}")
     print(f"paddle {paddle.__version__}, op backend {ops.backend()}, threads {_threads}, "
           f"tokens {args.tokens}, numpy {np.__version__}")
