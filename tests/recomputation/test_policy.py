@@ -42,6 +42,15 @@ class MLP(paddle.nn.Layer):
         return self.down(m)
 
 
+def mlp_and_input():
+    """A seeded :class:`MLP` and an input that needs a gradient."""
+    paddle.seed(7)
+    net = MLP()
+    x = paddle.randn([ROWS, D])
+    x.stop_gradient = False
+    return net, x
+
+
 def train(how, policy=None, op=None, where="gate", bias=True, micro=2, after=None):
     """``micro`` micro-steps of :class:`MLP` with recompute ``how`` ("none" or a mode) under
     ``policy``; every result as numpy (or None).  ``after(out)`` runs on the block's output
@@ -141,9 +150,8 @@ def test_policy_from_the_environment_reaches_paddles_own_recompute(monkeypatch):
     stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
-        paddle.seed(7)
-        net = MLP()
-        h = net.pre(paddle.randn([ROWS, D]))
+        net, x = mlp_and_input()
+        h = net.pre(x)
         paddles_recompute(net.block, h, use_reentrant=False).sum().backward()
         # a reentrant call with a policy runs on the non-reentrant engine (counted so)
         paddles_recompute(net.block, net.pre(paddle.randn([ROWS, D]))).sum().backward()
@@ -176,9 +184,8 @@ def test_a_callable_policy_chooses_per_linear():
     stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
-        paddle.seed(7)
-        net = MLP()
-        h = net.pre(paddle.randn([ROWS, D]))
+        net, x = mlp_and_input()
+        h = net.pre(x)
         paddle_mgrad.recompute(net.block, h, use_reentrant=False,
                                policy=wide_only).sum().backward()
     finally:
@@ -208,10 +215,7 @@ def test_paddle_grad_then_backward_under_gemm(mode):
     stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
-        paddle.seed(7)
-        net = MLP()
-        x = paddle.randn([ROWS, D])
-        x.stop_gradient = False
+        net, x = mlp_and_input()
         h = net.pre(x)
         out = paddle_mgrad.recompute(net.block, h, use_reentrant=mode == "reentrant",
                                      policy="gemm")
@@ -241,10 +245,7 @@ def test_offload_keeps_the_reentrant_engine():
     stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
-        paddle.seed(7)
-        net = MLP()
-        x = paddle.randn([ROWS, D])
-        x.stop_gradient = False
+        net, x = mlp_and_input()
         h = net.pre(x)
         paddle_mgrad.recompute(net.block, h, offload_indices=[0],
                                policy="gemm").sum().backward()
