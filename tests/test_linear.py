@@ -533,3 +533,18 @@ def test_shared_weight_after_clear_grad(set_to_zero, other_use):
         for ga, gb in zip(a, b):
             np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-5 * np.abs(gb).max(),
                                        err_msg=f"step {step}")
+
+
+def test_the_replayed_linear_leaves_grad_mode_as_it_found_it():
+    """The recomputation's linear computes with grad off and must then restore grad mode as it
+    was -- not switch it on (a caller with grad off would find it on afterwards)."""
+    from paddle_mgrad import linear
+
+    x, w, b = paddle.randn([3, 4]), paddle.randn([4, 5]), paddle.randn([5])
+    saved = []
+    for enabled in (True, False):
+        with paddle.set_grad_enabled(enabled):
+            y = linear._recomputed_linear(x, w, b, saved.append)
+            assert paddle.is_grad_enabled() is enabled
+        np.testing.assert_allclose(y.numpy(), (x @ w + b).numpy(), rtol=1e-6)
+    assert [s is x for s in saved] == [True, True]  # x handed to the pack hook, as the PyLayer
