@@ -122,13 +122,28 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _clean_state():
-    """Every test starts from unpatched Paddle, fixed seeds, grad on, AMP off."""
+    """Every test starts from unpatched Paddle, fixed seeds, grad on, AMP off -- and leaves the
+    ``PADDLE_MGRAD*`` variables as it found them: paddle_mgrad reads several at every call (a
+    recompute policy left behind by one test changes how every later test in the worker
+    recomputes), so a test that changes one without putting it back fails here."""
     paddle_mgrad.disable()
     paddle.seed(1234)
     np.random.seed(1234)
     paddle.set_device("cpu")
+    before = _our_variables()
     yield
     paddle_mgrad.disable()
+    after = _our_variables()
+    if after != before:
+        os.environ.update(before)
+        for name in set(after) - set(before):
+            del os.environ[name]
+        pytest.fail(f"the test changed PADDLE_MGRAD* variables and left them: {before} -> {after} "
+                    "(use monkeypatch.setenv/delenv)", pytrace=False)
+
+
+def _our_variables():
+    return {k: v for k, v in os.environ.items() if k.startswith("PADDLE_MGRAD")}
 
 
 

@@ -153,7 +153,10 @@ def test_recompute_policy_flag_reaches_every_recompute_call(monkeypatch, capsys)
 
     from paddle_mgrad import stats
 
-    monkeypatch.delenv("PADDLE_MGRAD_RECOMPUTE_POLICY", raising=False)
+    # apply() sets the variable for the process: put back as it was after the test (setenv
+    # records the original state, absent included, and delenv then clears it for the test)
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "full")
+    monkeypatch.delenv("PADDLE_MGRAD_RECOMPUTE_POLICY")
     with pytest.raises(T.FlagError, match=r"--recompute_policy: unknown recompute policy; "
                                           r"accepted: full, gemm"):
         T.apply(targs(), T.MgradArguments(recompute_policy="gemms"), argv=[])
