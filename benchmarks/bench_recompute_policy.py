@@ -1,7 +1,8 @@
 """What a recompute policy buys: PaddleNLP's LlamaForCausalLM, step time and peak host memory
-under no recompute, full recompute and the ``gemm`` policy, interleaved in one process.
+under no recompute, full recompute and each policy given, interleaved in one process.
 
     python benchmarks/bench_recompute_policy.py [--model small|wide] [--rounds 6] [--steps 3]
+        [--policies gemm save:self_attn save:mlp]
 
 paddle_mgrad on (``enable(recompute=True, fused_linear=True)``), fp32 master gradients through
 ``MixPrecisionLayer`` kept across steps, recompute as PaddleNLP runs it (``recompute_granularity
@@ -28,7 +29,7 @@ MODELS = {
     "small": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, batch=2),
     "wide": dict(hidden_size=1024, intermediate_size=2752, num_attention_heads=16, batch=1),
 }
-MODES = ("none", "full", "gemm")
+POLICIES = ("gemm", "save:self_attn", "save:mlp")
 ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 
 
@@ -39,7 +40,10 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES),
+                    help="PADDLE_MGRAD_RECOMPUTE_POLICY values to compare with none and full")
     args = ap.parse_args()
+    modes = ("none", "full", *args.policies)
 
     import paddle
     from paddle.base import core
@@ -80,26 +84,26 @@ def main():
 
     def run(mode):
         model.llama.enable_recompute = mode != "none"
-        if mode in ("full", "gemm"):
+        if mode != "none":
             os.environ[ENV] = mode
         try:
             return [step() for _ in range(args.steps)]
         finally:
             os.environ.pop(ENV, None)
 
-    for mode in MODES:  # warm-up: op build, allocator
+    for mode in modes:  # warm-up: op build, allocator
         run(mode)
-    times = {m: [] for m in MODES}
-    peaks = {m: [] for m in MODES}
-    losses = {m: None for m in MODES}
+    times = {m: [] for m in modes}
+    peaks = {m: [] for m in modes}
+    losses = {m: None for m in modes}
     stats.reset()
     for r in range(args.rounds):
-        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             results = run(mode)
             times[mode].append(statistics.median(s for s, _, _ in results))
             peaks[mode].append(max((p for _, p, _ in results), default=None) if mem else None)
             losses[mode] = [lo for _, _, lo in results]
-    policy = stats.snapshot()["policy"].get("gemm", {})
+    counters = stats.snapshot()["policy"]
     threads = os.environ.get("OMP_NUM_THREADS", "?")
     print(f"{cpu_name()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, Paddle "
           f"{paddle.__version__}; llama {args.model}: {args.layers} layers, hidden "
@@ -107,18 +111,22 @@ def main():
           f"heads, batch {batch}, seq {args.seq}; min over {args.rounds} rounds of the median "
           f"of {args.steps} steps")
     base_t, base_p = min(times["none"]), max(peaks["none"]) if mem else None
-    print(f"{'mode':6s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} {'peak/none':>10s}")
-    for mode in MODES:
+    width = max(len(m) for m in modes)
+    print(f"{'mode':{width}s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} "
+          f"{'peak/none':>10s}")
+    for mode in modes:
         t = min(times[mode])
         p = max(peaks[mode]) if mem else None
-        print(f"{mode:6s} {t * 1e3:9.1f} {t / base_t:10.3f} "
+        print(f"{mode:{width}s} {t * 1e3:9.1f} {t / base_t:10.3f} "
               + (f"{p / 2**20:9.1f} {p / base_p:10.3f}" if mem else f"{'n/a':>9s} {'n/a':>10s}"))
-    same = losses["gemm"] == losses["full"] == losses["none"]
-    print(f"losses of the last round equal in all modes: {same}; gemm policy: "
-          f"{policy.get('gemms_not_recomputed', 0)} GEMMs "
-          f"({policy.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) not recomputed, "
-          f"{policy.get('kept_bytes', 0) / 2**20:.1f} MiB kept over "
-          f"{policy.get('calls', 0)} block calls")
+    same = all(losses[m] == losses["none"] for m in modes)
+    print(f"losses of the last round equal in all modes: {same}")
+    for name in args.policies:
+        c = counters.get(name, {})
+        print(f"  {name}: over {c.get('calls', 0)} block calls {c.get('kept_bytes', 0) / 2**20:.1f}"
+              f" MiB kept; {c.get('gemms_not_recomputed', 0)} GEMMs "
+              f"({c.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) and "
+              f"{c.get('sublayers_not_recomputed', 0)} sublayer calls not recomputed")
     return 0 if same else 1
 
 

@@ -109,13 +109,28 @@ RECOMPUTE_POLICY = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 
 
 def parse_recompute_policy(text: str, what: str = "the policy") -> str:
-    """A recompute policy's name from its text (spaces and case ignored; empty: ``full``);
-    anything else raises ValueError naming ``what`` and the accepted names."""
-    name = text.strip().lower() or "full"
+    """A recompute policy's name from its text: ``full`` or ``gemm`` (spaces and case ignored;
+    empty: ``full``), or ``save:<pattern>[,<pattern>...]`` (spaces around each pattern
+    ignored, case kept: class names are compared as written); anything else raises ValueError
+    naming ``what`` and the accepted names."""
+    text = text.strip()
+    if text[:5].lower() == "save:":
+        patterns = [p.strip() for p in text[5:].split(",")]
+        if not all(patterns):
+            raise ValueError(f"{what}: save: takes one or more comma-separated patterns "
+                             "(globs of sublayer class names or attribute paths: "
+                             "save:*MLP, save:self_attn,mlp)")
+        return "save:" + ",".join(patterns)
+    name = text.lower() or "full"
     if name not in RECOMPUTE_POLICIES:
         raise ValueError(f"{what}: unknown recompute policy; accepted: "
-                         f"{', '.join(RECOMPUTE_POLICIES)}")
+                         f"{', '.join(RECOMPUTE_POLICIES)}, save:<pattern>[,<pattern>...]")
     return name
+
+
+def save_patterns(name: str) -> Tuple[str, ...]:
+    """The patterns of a parsed ``save:`` policy name."""
+    return tuple(name[5:].split(","))
 
 
 @dataclass(frozen=True)
@@ -158,10 +173,12 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("PADDLE_MGRAD_DETERMINISM_CHECK", "shapes (default), values or none",
          _choice("shapes", "values", "none"), "shapes",
          "how recomputation is checked against the forward pass"),
-    Knob(RECOMPUTE_POLICY, "full (default) or gemm", parse_recompute_policy,
+    Knob(RECOMPUTE_POLICY, "full (default), gemm, or save:<pattern>[,<pattern>...]",
+         parse_recompute_policy,
          "full", "what recompute keeps from the forward instead of recomputing, for every "
          "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
-         "keeps every fused linear's output"),
+         "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
+         "whose class name or attribute path matches (a glob: save:*MLP)"),
     Knob("PADDLE_MGRAD_REPORT", "a directory path", _path, None,
          "write one JSON report per process at exit (what was on, the counters)"),
     Knob("PADDLE_MGRAD_NOX_FREE_VENVS", "0/1", _boolean, False,

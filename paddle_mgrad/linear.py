@@ -601,13 +601,9 @@ def _recomputed_linear(x, weight, bias, pack):
     inside saves nothing).  So: Paddle's linear with grad off, and ``x`` handed to the
     recomputation's pack hook.
 
-    The output must then behave as the ``PyLayer``'s did for the rest of the block: need a
-    gradient (so that the ops after it save what they saved in the forward) *and* be no leaf.
-    A leaf that needs a gradient refuses every in-place op ("Leaf Var () that doesn't stop
-    gradient can't use inplace strategy"), and models do in-place ops on a linear's output:
-    fleet's ``RowParallelLinear`` all-reduces it in place, PaddleFormers' families add to it.
-    A view of it taken with grad on (``reshape`` to its own shape: no copy, and a node that
-    saves nothing, so the pack hook sees nothing of it) is such a non-leaf.
+    The output must then behave as the ``PyLayer``'s did for the rest of the block, needing a
+    gradient and taking in-place ops (fleet's ``RowParallelLinear`` all-reduces it in place,
+    PaddleFormers' families add to it): :func:`.autograd.recomputing.replayed_output`.
 
     Where the block's recompute policy kept this linear's output from the forward
     (:class:`.autograd.recomputing.KeptOutputs`), that output is handed back the same way
@@ -616,7 +612,7 @@ def _recomputed_linear(x, weight, bias, pack):
     found = None if kept is None else kept.take(x, weight)
     pack(x)
     if found is not None:
-        return replayed_output(found[0].detach(), found[1])
+        return _recomputing.replayed_output(found[0].detach(), found[1])
     tr = _global_var._dygraph_tracer_
     has_grad = tr._has_grad  # (on: _route saw it)
     tr._has_grad = False
@@ -624,18 +620,7 @@ def _recomputed_linear(x, weight, bias, pack):
         y = _paddle_linear(x, weight, bias)
     finally:
         tr._has_grad = has_grad
-    return replayed_output(y, False)
-
-
-def replayed_output(y, stop_gradient):
-    """A linear's output as a recomputation hands it on (:func:`_recomputed_linear`): ``y``, a
-    tensor of the caller's own (computed with grad off, or a new detached alias of a kept
-    output: the replay may set attributes on it), as a non-leaf view that needs a gradient --
-    or as it is where the forward's output needed none."""
-    if stop_gradient:
-        return y
-    y.stop_gradient = False
-    return _C_ops.reshape(y, y.shape)
+    return _recomputing.replayed_output(y, False)
 
 
 def apply_under_policy(apply, x, weight, *args):
@@ -656,7 +641,7 @@ def apply_under_policy(apply, x, weight, *args):
     if found is None:
         return apply(x, weight, *args)
     pack(x)
-    return replayed_output(found[0].detach(), found[1])
+    return _recomputing.replayed_output(found[0].detach(), found[1])
 
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):

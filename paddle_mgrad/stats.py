@@ -24,11 +24,13 @@ recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 
              "reentrant_as_non_reentrant": 0, "kept_from_forward": 0}
 #: per recompute policy other than ``full`` (:mod:`paddle_mgrad.recomputation.policy`), by its
 #: name: block ``calls``, GEMM outputs kept from their forwards (``kept_outputs``, after those
-#: changed in place were dropped) and their ``kept_bytes``, ``replays`` (recomputations), and
-#: over those the GEMMs not recomputed and their FLOPs
+#: changed in place were dropped), sublayer calls kept (``sublayers_kept``, ``save:``), the
+#: bytes of both (``kept_bytes``: kept outputs, and a kept sublayer's outputs and saved
+#: tensors), ``replays`` (recomputations), and over those the GEMMs not recomputed, their
+#: FLOPs, and the sublayer calls not recomputed
 policy: dict = {}
 POLICY_COUNTERS = ("calls", "kept_outputs", "kept_bytes", "replays", "gemms_not_recomputed",
-                   "gemm_flops_not_recomputed")
+                   "gemm_flops_not_recomputed", "sublayers_kept", "sublayers_not_recomputed")
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the
 #: op accumulated into main_grad, of those the zero-bubble deferred weight gradients

@@ -25,7 +25,9 @@ import contextlib
 import math
 import threading
 
-__all__ = ["state", "running", "KeptOutputs"]
+from paddle import _C_ops
+
+__all__ = ["state", "running", "KeptOutputs", "replayed_output"]
 
 #: ``state.pack``: the pack hook of the recomputation this thread runs right now; absent or None
 #: when there is none.  ``state.kept``: the :class:`KeptOutputs` of the block whose forward or
@@ -44,6 +46,24 @@ def running(pack_hook, kept=None):
         yield
     finally:
         state.pack, state.kept = prev
+
+
+def replayed_output(y, stop_gradient):
+    """A value a recomputation hands on in place of what the forward computed (a fused
+    linear's output, a kept output of a linear or of a sublayer the policy does not
+    recompute): ``y``, a tensor of the caller's own (computed with grad off, or a new detached
+    alias of a kept output: the replay may set attributes on it), as a non-leaf view that
+    needs a gradient -- or as it is where the forward's output needed none.
+
+    Needing a gradient, the ops after it save what they saved in the forward; being no leaf,
+    it takes in-place ops (a leaf that needs a gradient refuses them: "Leaf Var () that doesn't
+    stop gradient can't use inplace strategy").  A ``reshape`` to its own shape taken with grad
+    on is such a view: no copy, and a node that saves nothing, so the pack hook sees nothing
+    of it."""
+    if stop_gradient:
+        return y
+    y.stop_gradient = False
+    return _C_ops.reshape(y, y.shape)
 
 
 class KeptOutputs:

@@ -50,13 +50,20 @@ its type); they record the problem and it is raised right after.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 from .. import stats
 from .._compat import IS_PADDLE_2, is_parameter, paddle
 from ..autograd import backward_errors as _errors, recomputing as _recomputing
 from ..errors import RecomputeError
-from . import amp as _amp, policy as _policy, rng as _rng, saved_hooks as _hooks
+from . import (
+    amp as _amp,
+    policy as _policy,
+    rng as _rng,
+    saved_hooks as _hooks,
+    saved_sublayers as _saved_sublayers,
+)
 from .tensors import (
     FINGERPRINT_FIELDS,
     buffer_sharing_tensor,
@@ -75,14 +82,17 @@ class _Holder:
 
     ``value``: a kept holder's object; an empty holder's recomputed view while it waits for
     its unpack (None before the recomputation and after the unpack: a dropped activation is
-    never None, :meth:`_Frame._keep` keeps None)."""
+    never None, :meth:`_Frame._keep` keeps None).  ``version``: for an activation kept because
+    a sublayer the policy does not recompute saved it (:mod:`.saved_sublayers`), its inplace
+    version then (None for every other holder)."""
 
-    __slots__ = ("index", "kept", "value", "for_op", "__weakref__")
+    __slots__ = ("index", "kept", "value", "for_op", "version", "__weakref__")
 
-    def __init__(self, index, kept, value, for_op):
+    def __init__(self, index, kept, value, for_op, version=None):
         self.index = index
         self.kept = kept
         self.value = value
+        self.version = version
         # Paddle 2.6 only: saved by a C++ op (not a PyLayer), so what we return is
         # consumed by TensorWrapper::recover and must be a disposable tensor.
         self.for_op = for_op
@@ -96,6 +106,10 @@ class _Frame:
         # what the block's policy keeps from its forward (:mod:`.policy`); None: full
         self.policy = policy
         self.kept = None if policy is None else policy.kept_outputs()
+        self.sublayers = None if policy is None else policy.saved_sublayers(function, args,
+                                                                            kwargs)
+        self.replaying = False  # inside rerun()
+        self.cursor = 0  # rerun(): the index of the next saved tensor
         self.check = check  # "shapes", "values" or "none"
         # values check: index -> (forward name, fingerprint tensor), recomputed tensors only
         self.prints: dict = {}
@@ -124,6 +138,14 @@ class _Frame:
         forward returns or raises (:meth:`forward_done`, :meth:`forward_failed`)."""
         kept = self._keep(x)
         for_op = IS_PADDLE_2 and not _hooks.in_pylayer_save()
+        if not kept and self.sublayers is not None and self.sublayers.depth:
+            # saved by a sublayer the policy does not recompute: kept as it is (a detached
+            # alias: a tensor made inside the graph held from it would hold its own node)
+            holder = _Holder(len(self.specs), True, detached_view(x), for_op,
+                             x._inplace_version())
+            self.specs.append(spec(x))
+            self.holders.append(weakref.ref(holder))
+            return holder
         holder = _Holder(len(self.specs), kept, x if kept else None, for_op)
         if not kept:
             self.pending.append((holder.index, x))
@@ -137,6 +159,8 @@ class _Frame:
 
     def unpack(self, holder):
         if holder.kept:
+            if holder.version is not None and holder.value._inplace_version() != holder.version:
+                self._raise_modified(holder)
             if holder.for_op and holder.value is not None:
                 return buffer_sharing_tensor(holder.value)
             return holder.value
@@ -154,6 +178,17 @@ class _Frame:
         value, holder.value = holder.value, None  # backward has it: freed with its use
         return value
 
+    def _raise_modified(self, holder):
+        e = RecomputeError(
+            f"recompute({function_name(self.function)}): saved tensor #{holder.index} "
+            f"{describe(holder.value)}, kept from the forward by the recompute policy "
+            f"{self.policy.name!r}, has been modified by an inplace operation after the forward "
+            f"saved it: its inplace version is {holder.value._inplace_version()}, the forward "
+            f"saved version {holder.version}; its gradient would be wrong (without recompute "
+            "Paddle refuses this too). Compute that change out of place.")
+        _errors.record(e)  # Paddle's engine re-raises it as OSError
+        raise e
+
     def forward_done(self):
         """The block's forward returned: drop what recomputation will reproduce -- unless the
         block changed one of its tensor arguments in place, when recomputation could not
@@ -166,11 +201,10 @@ class _Frame:
         if changed:
             stats.bump(stats.recompute, "kept_from_forward")
             self.prints.clear()
-        if self.kept is not None:
-            if changed:  # never recomputed: nothing to hand back
-                self.kept.entries.clear()
-            self.kept.forward_done()
-            _policy.record_call(self.policy, self.kept)
+        if self.policy is not None:
+            saved = 0 if changed or self.sublayers is None else self._saved_bytes()
+            _policy.forward_done(self.policy, self.kept, self.sublayers,
+                                 recomputed=not changed, saved_bytes=saved)
         if changed:
             holders = self.holders
             for index, x in pending:
@@ -179,6 +213,15 @@ class _Frame:
                     holder.kept = True
                     holder.value = detached_view(x)
         self.arg_tensors = None  # (the arguments themselves stay in self.args)
+
+    def _saved_bytes(self) -> int:
+        """The bytes of the activations kept because a kept sublayer saved them."""
+        total = 0
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.version is not None:
+                total += math.prod(holder.value.shape) * holder.value.element_size()
+        return total
 
     def _release_changed_arguments(self):
         """The ids of the tensor arguments the forward changed in place (none: nothing done).
@@ -207,16 +250,15 @@ class _Frame:
     def rerun(self):
         """Re-run the function; store a view of each recomputed tensor for its holder."""
         stats.bump(stats.recompute, "recomputations")
-        counter = 0
+        self.cursor = 0
         problems: list = []
         specs, holders = self.specs, self.holders
         check_shapes = self.check != "none"
         prints, recomputed_prints = self.prints, []
 
         def inner_pack(x):
-            nonlocal counter
-            i = counter
-            counter += 1
+            i = self.cursor
+            self.cursor = i + 1
             if i >= len(specs):
                 if len(problems) < 3 and check_shapes:
                     problems.append(
@@ -244,14 +286,21 @@ class _Frame:
         def inner_unpack(_):  # the recomputed graph is never back-propagated
             raise RecomputeError("internal: a tensor saved during recomputation was unpacked")
 
-        kept = self.kept
-        if kept is not None:
-            kept.rewind()
-        with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(True), \
-                _hooks.hooks(inner_pack, inner_unpack), _recomputing.running(inner_pack, kept):
-            self.function(*self.args, **self.kwargs)
-        if kept is not None:
-            _policy.record_replay(self.policy, kept)
+        kept, sublayers = self.kept, self.sublayers
+        if self.policy is not None:
+            _policy.rewind(kept, sublayers)
+        self.replaying = True
+        try:
+            with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(True), \
+                    _hooks.hooks(inner_pack, inner_unpack), \
+                    _recomputing.running(inner_pack, kept), \
+                    _saved_sublayers.running(sublayers, self):
+                self.function(*self.args, **self.kwargs)
+        finally:
+            self.replaying = False
+        counter = self.cursor
+        if self.policy is not None:
+            _policy.record_replay(self.policy, kept, sublayers)
 
         if counter < len(specs) and check_shapes:
             problems.append(
@@ -316,7 +365,8 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes", policy=None)
         # unpack hook), and a tensor made inside the graph held there holds its grad node -- a
         # reference cycle through C++ that no garbage collector sees.
         try:
-            with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None, frame.kept):
+            with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None, frame.kept), \
+                    _saved_sublayers.running(frame.sublayers, frame):
                 outputs = function(*args, **kwargs)
         except BaseException:
             frame.forward_failed()

@@ -12,6 +12,11 @@ recompute (and to no recompute); only memory and time change.
   runs); the replay recomputes the linear's input (its backward needs it) and everything that
   is not a GEMM, and multiplies nothing.  A GEMM is the costliest op to replay per byte it
   produces on a GPU (compute-bound, while the elementwise ops around it are memory-bound).
+* ``"save:<pattern>[,<pattern>...]"``: the sublayers of the block whose class name or
+  attribute path matches a pattern (a glob: ``save:*MLP``, ``save:self_attn``) are not
+  recomputed at all: what their ops saved and their outputs are kept from the forward, and the
+  replay skips them (:mod:`.saved_sublayers`).  Megatron's ``--recompute-modules`` inverted, at
+  sublayer grain; no model edits.
 * a callable ``policy(call) -> bool``: asked once per fused linear in the block's forward with
   a :class:`GemmCall`; True keeps that output (``lambda c: c.flops > 1e9``).
 
@@ -32,10 +37,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 from .. import env, stats
 from ..autograd.recomputing import KeptOutputs
+from . import saved_sublayers as _saved
 
 __all__ = ["POLICIES", "ENV_POLICY", "GemmCall", "Policy", "resolve"]
 
@@ -59,15 +65,29 @@ class GemmCall:
 
 @dataclass(frozen=True)
 class Policy:
-    """A resolved policy other than ``full``: its name (for stats) and whether it keeps a
-    given GEMM output."""
+    """A resolved policy other than ``full``: its name (for stats), whether it keeps GEMM
+    outputs (``gemm``: every one, or those ``chooser`` picks) or the sublayers ``patterns``
+    match (``save:``)."""
 
     name: str
     chooser: Optional[Callable] = None  # None: keep every GEMM output
+    gemm: bool = True
+    patterns: Tuple[str, ...] = ()
 
-    def kept_outputs(self) -> KeptOutputs:
-        """A new :class:`KeptOutputs` for one block call, asking this policy."""
+    def kept_outputs(self) -> Optional[KeptOutputs]:
+        """A new :class:`KeptOutputs` for one block call, asking this policy (None: it keeps
+        no GEMM output)."""
+        if not self.gemm:
+            return None
         return KeptOutputs(_keep_all if self.chooser is None else self._asks)
+
+    def saved_sublayers(self, function, args, kwargs) -> Optional[_saved.Sublayers]:
+        """The sublayers of the block ``function(*args, **kwargs)`` this policy does not
+        recompute (None: none)."""
+        if not self.patterns:
+            return None
+        layers = _saved.matching(self.patterns, function, args, kwargs)
+        return _saved.Sublayers(layers) if layers else None
 
     def _asks(self, x, weight, y) -> bool:
         out_shape = tuple(y.shape)
@@ -82,6 +102,7 @@ def _keep_all(x, weight, y) -> bool:
 
 
 _GEMM = Policy("gemm")
+_SAVE: dict = {}  # "save:..." -> its Policy (resolved at every recompute call)
 
 
 def resolve(value: Union[None, str, Callable] = None) -> Optional[Policy]:
@@ -97,15 +118,49 @@ def resolve(value: Union[None, str, Callable] = None) -> Optional[Policy]:
         return Policy(getattr(value, "__name__", "callable"), value)
     else:
         name = env.parse_recompute_policy(str(value), f"policy={value!r}")
-    return None if name == "full" else _GEMM
+    if name == "full":
+        return None
+    if name == "gemm":
+        return _GEMM
+    policy = _SAVE.get(name)
+    if policy is None:
+        policy = _SAVE[name] = Policy(name, gemm=False,
+                                      patterns=env.save_patterns(name))
+    return policy
 
 
-def record_call(policy: Policy, kept: KeptOutputs):
-    """Count one block call under ``policy`` once its forward is done."""
-    stats.bump_policy(policy.name, calls=1, kept_outputs=kept.kept, kept_bytes=kept.kept_bytes)
+def forward_done(policy: Policy, kept: Optional[KeptOutputs], sublayers, recomputed: bool,
+                 saved_bytes: int):
+    """A block's forward under ``policy`` returned: drop what cannot be handed back (all of it
+    when the block will not be ``recomputed``), count the call."""
+    if not recomputed:
+        if kept is not None:
+            kept.entries.clear()
+        if sublayers is not None:
+            sublayers.drop()
+    kept_outputs = kept_bytes = kept_sublayers = 0
+    if kept is not None:
+        kept.forward_done()
+        kept_outputs, kept_bytes = kept.kept, kept.kept_bytes
+    if sublayers is not None:
+        kept_sublayers = sublayers.kept
+        kept_bytes += saved_bytes + sublayers.held_bytes()
+    stats.bump_policy(policy.name, calls=1, kept_outputs=kept_outputs, kept_bytes=kept_bytes,
+                      sublayers_kept=kept_sublayers)
 
 
-def record_replay(policy: Policy, kept: KeptOutputs):
+def rewind(kept: Optional[KeptOutputs], sublayers):
+    """Before a recomputation of a block (a second backward replays again)."""
+    if kept is not None:
+        kept.rewind()
+    if sublayers is not None:
+        sublayers.rewind()
+
+
+def record_replay(policy: Policy, kept: Optional[KeptOutputs], sublayers):
     """Count one recomputation of a block under ``policy`` (after it ran)."""
-    stats.bump_policy(policy.name, replays=1, gemms_not_recomputed=kept.skipped,
-                      gemm_flops_not_recomputed=kept.skipped_flops)
+    stats.bump_policy(
+        policy.name, replays=1,
+        gemms_not_recomputed=0 if kept is None else kept.skipped,
+        gemm_flops_not_recomputed=0 if kept is None else kept.skipped_flops,
+        sublayers_not_recomputed=0 if sublayers is None else sublayers.skipped)

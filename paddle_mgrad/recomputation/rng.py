@@ -85,7 +85,8 @@ class RNGState:
         self.custom = get_custom() if get_custom is not None else None
         self._custom_set = set_custom
 
-    def _apply(self):
+    def apply(self):
+        """Set every generator to this snapshot's state."""
         core.default_cpu_generator().set_state(self.cpu)
         if self.device_kind == "gpu":
             paddle.set_cuda_rng_state(self.device_state)
@@ -106,11 +107,11 @@ class RNGState:
     def restored(self):
         """Run the body with this snapshot's state, then put back the current one."""
         current = RNGState()
-        self._apply()
+        self.apply()
         try:
             yield
         finally:
-            current._apply()
+            current.apply()
 
 
 _lock = threading.RLock()  # see the module docstring

@@ -142,7 +142,8 @@ def test_what_the_recomputation_multiplies(monkeypatch, policy, op, recomputed, 
     assert counters == {"gemm": {
         "calls": 1, "kept_outputs": kept, "kept_bytes": 4 * sum(sizes[k] for k in kept_names),
         "replays": 1, "gemms_not_recomputed": kept,
-        "gemm_flops_not_recomputed": sum(flops[k] for k in kept_names)}}
+        "gemm_flops_not_recomputed": sum(flops[k] for k in kept_names),
+        "sublayers_kept": 0, "sublayers_not_recomputed": 0}}
 
 
 def test_policy_from_the_environment_reaches_paddles_own_recompute(monkeypatch):
@@ -164,7 +165,8 @@ def test_policy_from_the_environment_reaches_paddles_own_recompute(monkeypatch):
 
 
 def test_a_bad_policy_is_named(monkeypatch):
-    with pytest.raises(ValueError, match=r"policy='gemms'.*accepted: full, gemm"):
+    with pytest.raises(ValueError, match=r"policy='gemms'.*accepted: full, gemm, "
+                                         r"save:<pattern>\[,<pattern>...\]"):
         policy_mod.resolve("gemms")
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "selective")
     with pytest.raises(EnvError, match=r"PADDLE_MGRAD_RECOMPUTE_POLICY='selective'.*full"):
