@@ -509,33 +509,38 @@ def test_threads_share_a_model_under_a_save_policy():
     assert no_wrapper_left(net) == []
 
 
-def test_nested_recompute_inside_a_block_with_a_save_policy():
+def test_nested_blocks_keep_the_same_sublayer():
+    """The inner block and the outer one both keep the MLP (``save:*MLP``): its wrapper is
+    installed twice, and the inner block's end must leave the outer one's in place (the outer
+    block calls the MLP again after it)."""
+
     class Outer(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
             self.inner = Decoder()
-            self.mlp = MLP()
 
         def forward(self, h):
             h = paddle_mgrad.recompute(custom_forward(self.inner), h, use_reentrant=False,
-                                       policy="save:self_attn")
-            return self.mlp(h)
+                                       policy="save:*MLP")
+            return self.inner.mlp(h)
 
     x = paddle.randn([ROWS, D])
-    paddle.seed(11)
-    net = Outer()
+    stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
+        paddle.seed(11)
+        net = Outer()
         h = paddle.to_tensor(x.numpy())
         h.stop_gradient = False
         out = paddle_mgrad.recompute(custom_forward(net), h * 1.0, use_reentrant=False,
-                                     policy="save:mlp")
+                                     policy="save:*MLP")
         out.sum().backward()
+        counters = stats.snapshot()["policy"]["save:*MLP"]
         paddle.seed(11)  # the same model without recompute (the same fused linear)
         plain = Outer()
         hp = paddle.to_tensor(x.numpy())
         hp.stop_gradient = False
-        o = plain.mlp(plain.inner(hp * 1.0))
+        o = plain.inner.mlp(plain.inner(hp * 1.0))
         o.sum().backward()
     finally:
         paddle_mgrad.disable()
@@ -543,3 +548,98 @@ def test_nested_recompute_inside_a_block_with_a_save_policy():
     np.testing.assert_array_equal(h.grad.numpy(), hp.grad.numpy())
     for p, q in zip(net.parameters(), plain.parameters()):
         np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+    # the outer block (its MLP call kept) and the inner one (its MLP kept); the outer block
+    # saved nothing outside its MLP (the inner block saves to its own hooks): never replayed;
+    # the inner block's replay skips its MLP
+    assert (counters["calls"], counters["sublayers_kept"]) == (2, 2), counters
+    assert (counters["replays"], counters["sublayers_not_recomputed"]) == (1, 1), counters
+    assert no_wrapper_left(net) == []
+
+
+def test_a_kept_sublayer_calls_another_kept_one():
+    """``rope`` is no sublayer of ``attn`` but runs inside it (handed as an argument, as models
+    share a rotary embedding) and after it: inside ``attn`` it is part of ``attn``'s call, so
+    the replay skips both calls."""
+
+    class Rope(paddle.nn.Layer):
+        def forward(self, h):
+            return paddle.tanh(h) * 0.5
+
+    class Attn(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.proj = paddle.nn.Linear(D, D)
+
+        def forward(self, h, rope):
+            return self.proj(rope(h))
+
+    class Block(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+            self.rope = Rope()
+            self.out = paddle.nn.Linear(D, D)
+
+        def forward(self, h):
+            return self.out(paddle.tanh(self.rope(self.attn(h, self.rope))))
+
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(11)
+        net = Block()
+        x = paddle.randn([ROWS, D])
+        h = paddle.to_tensor(x.numpy())
+        h.stop_gradient = False
+        paddle_mgrad.recompute(net, h, use_reentrant=False,
+                               policy="save:attn,rope").sum().backward()
+        hp = paddle.to_tensor(x.numpy())
+        hp.stop_gradient = False
+        net(hp).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    np.testing.assert_array_equal(h.grad.numpy(), hp.grad.numpy())
+    counters = stats.snapshot()["policy"]["save:attn,rope"]
+    assert (counters["sublayers_kept"], counters["sublayers_not_recomputed"]) == (2, 2)
+
+
+@pytest.mark.parametrize("op", sorted(IN_PLACE))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sublayer_that_changes_its_input_is_replayed(mode, op):
+    """The MLP changes its input in place, and the block uses that input after it (saved by
+    the multiply): skipping the MLP in the replay would hand the multiply the unchanged
+    input."""
+
+    class Block(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.pre = paddle.nn.Linear(D, D)
+            self.mlp = MLP(IN_PLACE[op])
+
+        def forward(self, h):
+            h = self.pre(h)
+            return paddle.tanh(h * self.mlp(h))
+
+    def run(policy):
+        stats.reset()
+        paddle_mgrad.enable(recompute=True, fused_linear=True)
+        try:
+            paddle.seed(11)
+            net = Block()
+            h = paddle.to_tensor(np.random.RandomState(3).standard_normal([ROWS, D])
+                                 .astype("float32"))
+            h.stop_gradient = False
+            if policy is None:
+                out = net(h)
+            else:
+                out = paddle_mgrad.recompute(net, h, use_reentrant=mode == "reentrant",
+                                             policy=policy)
+            out.sum().backward()
+            return [out.numpy(), h.grad.numpy()] + [p.grad.numpy() for p in net.parameters()]
+        finally:
+            paddle_mgrad.disable()
+
+    for got, want in zip(run("save:mlp"), run(None)):
+        np.testing.assert_array_equal(got, want)
+    counters = stats.snapshot()["policy"]
+    assert counters == {}  # (the reference run)
