@@ -10,6 +10,7 @@ import sys
 import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
 import paddle
+import pytest
 
 from paddle_mgrad import env as mgrad_env
 from paddle_mgrad._compat import IS_PADDLE_2
@@ -42,6 +43,22 @@ def expected_cpu_backend(environ=None):
             and not mgrad_env.get("PADDLE_MGRAD_NO_ONEDNN", environ):
         return "cpp-onednn"
     return "cpp-portable"
+
+
+def require_cpp_op(state=None):
+    """The C++ op module, for a test of what only the C++ op does.  Skips only where the op was
+    switched off on purpose (``PADDLE_MGRAD_OPS=python`` when it loaded); anywhere else the op
+    must have been built and loaded, and a failed build fails the test with the build's error
+    instead of skipping it.  ``state``: ``ops._state`` as a test saved it (default: load now)."""
+    from paddle_mgrad import ops
+
+    if state is None:
+        ops.load()
+        state = ops._state
+    if state["module"] is None and state.get("why") == "PADDLE_MGRAD_OPS=python":
+        pytest.skip("PADDLE_MGRAD_OPS=python: the C++ op is switched off")
+    assert state["module"] is not None, f"the C++ op did not load: {state.get('why')}"
+    return state["module"]
 
 
 def cpu_backend(backend):

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from helpers import require_cpp_op
 from paddle_mgrad import FusedLinearError, linear as L, ops, stats
 from paddle_mgrad.ops import _inputs
 
@@ -94,8 +95,7 @@ def _bad_calls():
 def test_cpu_fast_path_refusals_raise_the_python_checks_text(case, monkeypatch):
     """Every input the Python check refuses is refused by the fast path too -- by the C++ op,
     before it writes -- and the error is the Python check's, word for word."""
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
+    require_cpp_op()
     name, args = _bad_calls()[case]
     with pytest.raises(FusedLinearError) as want:
         _inputs.check(*args)
@@ -112,8 +112,7 @@ def test_cpu_fast_path_refusals_raise_the_python_checks_text(case, monkeypatch):
 
 
 def test_cpu_fast_path_skips_the_python_check_on_valid_calls(monkeypatch):
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
+    require_cpp_op()
     calls = []
     real = _inputs.check
     monkeypatch.setattr(_inputs, "check", lambda *a: calls.append(1) or real(*a))
@@ -332,8 +331,7 @@ def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
     None, no user gradient hook -- and takes the general path in every other one; either way
     main_grad / .grad / x.grad equal plain Paddle's (same layer, MixPrecisionLayer or not,
     first micro-step or a later one)."""
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
+    require_cpp_op()
     rs = np.random.RandomState(seed)
     ours, ref = _layer_pair(bias, mixprec, rs)
     pairs = list(zip(ours.parameters(), ref.parameters()))
@@ -427,8 +425,7 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
     library's fast entry: dx too (``linear_bwd``, Paddle's matmul kernel inside); without an
     input gradient, the weight-gradient kernel.  No custom-op dispatch.  Gradients equal plain
     Paddle's either way (dx bit for bit: the same matmul kernel)."""
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
+    require_cpp_op()
     calls = _spy_entry(monkeypatch, "cpu_entry")
 
     def no_runner(*args, **kwargs):
@@ -461,8 +458,7 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
     entry's weight-gradient kernel (CUDA's, on a GPU) and Paddle's matmul for dx -- no checks in
     Python, no custom-op dispatch.  With Paddle's fused op or the reference as the tier, the
     checked path runs.  Gradients equal plain Paddle's either way."""
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
+    require_cpp_op()
     real_route = ops.fast_route
 
     def route(*args):

@@ -28,13 +28,13 @@ import paddle
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
+from helpers import require_cpp_op
 from paddle_mgrad import linear as L, ops
 
 
 @pytest.fixture(scope="module")
 def entry():
-    if ops.load() is None:
-        pytest.skip("C++ op not built")
+    require_cpp_op()
     e = ops.cpu_entry("float32")
     assert e is not None and ops.fast_route is e.route
     return e

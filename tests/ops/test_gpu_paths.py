@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 import pytest
 
+from helpers import require_cpp_op
 from paddle_mgrad import ops
 from paddle_mgrad.ops import _build, build_config as bc
 
@@ -181,8 +182,7 @@ def fresh_ops(monkeypatch):
 
 
 def test_incomplete_toolkit_keeps_the_cpu_op_and_warns_once(monkeypatch, fresh_ops):
-    if fresh_ops["module"] is None:
-        pytest.skip("the C++ op is not built here (PADDLE_MGRAD_OPS=python)")
+    require_cpp_op(fresh_ops)
     problem = 'CUDA 13.0 at /x: missing cublasLt (...): pip install "nvidia-cublas>=13,<14"'
     real = fresh_ops["module"]
     info = real.pmg_backend_info(paddle.zeros([1])).numpy()

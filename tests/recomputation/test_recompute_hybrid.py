@@ -196,11 +196,18 @@ def test_tuple_outputs_as_fleet():
     def f(a, m, i):
         return lin(a) * m, m, i * 2  # PyLayer marks every output differentiable
 
+    weights = paddle.to_tensor(np.random.RandomState(4).standard_normal([2, 3, 8]).astype("float32"))
     x = _x()
     h, m, i = hybrid({"mp_group": Group()}, f, x, mask, ids)
     assert not h.stop_gradient and i.stop_gradient
-    (h.sum() + m.sum()).backward()
-    assert x.grad is not None and lin.weight.grad is not None
+    ((h * weights).sum() + m.sum()).backward()
+    got = [t.numpy() for t in (h, i, x.grad, lin.weight.grad, lin.bias.grad)]
+    lin.clear_gradients()
+    x = _x()  # the same block without recompute: the values to equal
+    h, m, i = f(x, mask, ids)
+    ((h * weights).sum() + m.sum()).backward()
+    for a, b in zip(got, (h, i, x.grad, lin.weight.grad, lin.bias.grad)):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_needs_mp_group():

@@ -147,6 +147,9 @@ def test_tensor_only_saves_go_to_paddle_unchanged():
     P.apply(x).sum().backward()
     assert seen["layout"] is False
     assert type(seen["saved"]) is tuple and len(seen["saved"]) == 2
+    np.testing.assert_array_equal(seen["saved"][0].numpy(), x.numpy())  # in the order saved
+    np.testing.assert_array_equal(seen["saved"][1].numpy(), 2 * x.numpy())
+    np.testing.assert_array_equal(x.grad.numpy(), np.full([3], 3, "float32"))
 
 
 def test_user_saved_tensors_hooks_with_non_tensors():
