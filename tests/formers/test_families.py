@@ -23,7 +23,8 @@ run without recompute:
   micro-steps equal the reference (``<mode>_after_error``);
 * with ``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm`` (``non_reentrant_gemm``: the fused linears'
   outputs kept from the forward, set in the environment only) the same, bit-identical, and
-  the policy's counters show GEMMs that were not recomputed.
+  the policy's counters show GEMMs that were not recomputed; with ``save:`` (``non_reentrant_save``:
+  every decoder layer's attention kept whole) the same, and no attention call recomputed.
 
 Most families call Paddle's ``recompute`` without ``use_reentrant`` (always reentrant,
 whatever ``recompute_use_reentrant`` says; families.py): the driver forces the mode through
@@ -81,9 +82,10 @@ pytestmark = [pytest.mark.heavy]  # a subprocess each, ~5 s
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "train_family.py")
 MICRO, LAYERS = 2, 2  # train_family.MICRO, families.COMMON["num_hidden_layers"]
+SAVE = "save:self_attn,*Attention"  # train_family.SAVE
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
 AFTER_ERROR = tuple(m + "_after_error" for m in RECOMPUTE_MODES)
-POLICIES = ("non_reentrant_gemm",)  # train_family.py: the gemm recompute policy
+POLICIES = ("non_reentrant_gemm", "non_reentrant_save")  # train_family.py: the policies
 INJECTED = "injected error in a recomputation"
 # the runnable families whose modeling modules import only with family_standins.py
 NEEDS_STANDINS = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
@@ -161,7 +163,7 @@ def check_mode(family, mode, r, g, ref, ref_grads):
     if "error" in r:
         return [f"{mode}: {short(r['error'])}"]
     problems = []
-    base = mode.replace("_after_error", "").replace("_gemm", "")
+    base = mode.replace("_after_error", "").replace("_gemm", "").replace("_save", "")
     failed_step = mode.endswith("_after_error")  # one more micro-step ran first, and raised
     if failed_step:
         if INJECTED not in (r["injected_error"] or ""):
@@ -210,6 +212,16 @@ def check_mode(family, mode, r, g, ref, ref_grads):
                 (g.get("gemms_not_recomputed", 0) > 0) == spared and
                 (g.get("kept_bytes", 0) > 0) == spared):
             problems.append(f"gemm policy counters {pol} (expected {calls} calls)")
+    elif mode.endswith("_save"):
+        s = pol.get(SAVE, {})
+        # every decoder layer keeps its attention, and its replay skips it (the loss block
+        # has none: it is replayed whole)
+        layers = MICRO * LAYERS if FAMILIES[family][4] is not None else 0
+        if not (s.get("calls") == calls and s.get("replays") == blocks and
+                s.get("sublayers_not_recomputed") == layers and
+                (s.get("kept_bytes", 0) > 0) == (layers > 0)):
+            problems.append(f"save policy counters {pol} (expected {calls} calls, {layers} "
+                            "attention calls not recomputed)")
     elif pol:
         problems.append(f"a policy ran: {pol}")
     return [f"{mode}: {p}" for p in problems]

@@ -14,6 +14,8 @@ linear; no optimizer step, so what is compared is the accumulated gradient itsel
   the loss recomputed), ``recompute_use_reentrant`` True / False;
 * ``non_reentrant_gemm``: as ``non_reentrant``, with ``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm``
   (every fused linear's output kept from the forward, no GEMM recomputed);
+* ``non_reentrant_save``: as ``non_reentrant``, with the ``save:`` policy :data:`SAVE`
+  (each decoder layer's attention kept whole from the forward, not recomputed);
 * ``<mode>_after_error``: as ``<mode>``, after a first micro-step whose first recomputed block
   (decoder layer 0; the loss for qwen3_next) raised in backward, in its recomputation -- an
   injected error, caught here as a training loop would: grad mode must be back on and the
@@ -53,8 +55,11 @@ from family_standins import paddlefleet_import_standins  # noqa: E402
 SEED, BATCH, SEQ, MICRO = 42, 2, 16, 2
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
 MODES = ("none", *RECOMPUTE_MODES, *(m + "_after_error" for m in RECOMPUTE_MODES),
-         "non_reentrant_gemm")
+         "non_reentrant_gemm", "non_reentrant_save")
 POLICY_ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
+#: the policy of ``non_reentrant_save``: the attention sublayer by attribute path or class name
+SAVE = "save:self_attn,*Attention"
+POLICY_OF = {"_gemm": "gemm", "_save": SAVE}
 INJECTED = "injected error in a recomputation (tests/formers/train_family.py)"
 
 
@@ -148,10 +153,11 @@ def micro_step(wrapped, ids, labels):
 
 
 def run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
-    """One mode's training; ``<mode>_gemm``: with the gemm recompute policy, switched on the
-    way a user does it with no edits (the environment variable)."""
-    if mode.endswith("_gemm"):
-        os.environ[POLICY_ENV] = "gemm"
+    """One mode's training; ``<mode>_gemm`` / ``<mode>_save``: with that recompute policy,
+    switched on the way a user does it with no edits (the environment variable)."""
+    policy = POLICY_OF.get(mode[mode.rfind("_"):])
+    if policy is not None:
+        os.environ[POLICY_ENV] = policy
     try:
         return _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir)
     finally:
