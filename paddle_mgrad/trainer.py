@@ -15,7 +15,7 @@ Flags (spelled as PaddleNLP's ``llm/`` scripts spell them):
 * ``--mgrad_fix_recompute`` (default: on whenever ``--recompute`` is on):
   Paddle's ``recompute`` -- also the name PaddleNLP's modeling files imported at
   import time -- becomes :func:`paddle_mgrad.recompute`.
-* ``--recompute_policy full|gemm``: what every recompute call keeps from the forward
+* ``--recompute_policy full|gemm|save:<pattern>``: what every recompute call keeps from the forward
   instead of recomputing it (:mod:`paddle_mgrad.recomputation.policy`); sets
   ``PADDLE_MGRAD_RECOMPUTE_POLICY`` for this process and the ones it starts.
 
@@ -61,9 +61,11 @@ class MgradArguments:
     recompute_policy: Optional[str] = field(
         default=None,
         metadata={"help": "What recompute keeps from the forward instead of recomputing it, for "
-                          "every recompute call (Paddle's own included): full (keep nothing) or "
-                          "gemm (keep every linear's output: no GEMM is recomputed). Default: "
-                          "$PADDLE_MGRAD_RECOMPUTE_POLICY, else full."})
+                          "every recompute call (Paddle's own included): full (keep nothing), "
+                          "gemm (keep every linear's output: no GEMM is recomputed) or "
+                          "save:<pattern>[,<pattern>...] (sublayers whose class name or "
+                          "attribute path matches, e.g. save:self_attn, are not recomputed). "
+                          "Default: $PADDLE_MGRAD_RECOMPUTE_POLICY, else full."})
     mgrad_audit: bool = field(
         default=True, metadata={"help": "Report which parameters got their gradient in main_grad."})
 

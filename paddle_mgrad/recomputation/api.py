@@ -53,7 +53,9 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
       (read at each call), else ``"shapes"``.  See below.
     * ``policy``: what to keep from the forward instead of recomputing it
       (:mod:`.policy`): ``"full"`` (keep nothing), ``"gemm"`` (keep every fused
-      linear's output) or a callable ``policy(call) -> bool``; when not given,
+      linear's output), ``"save:<pattern>[,<pattern>...]"`` (do not recompute the
+      sublayers whose class name or attribute path matches: ``"save:self_attn"``) or
+      a callable ``policy(call) -> bool``; when not given,
       ``PADDLE_MGRAD_RECOMPUTE_POLICY`` (read at each call), else ``"full"``.
       Gradients are bit-identical under every policy.  A policy other than
       ``full`` runs on the non-reentrant engine, whatever ``use_reentrant`` says
