@@ -14,11 +14,12 @@ recompute and to no recompute.  What it costs: the sublayer's saved tensors and 
 in memory until backward, as without recompute.  What it saves: the sublayer's replay.
 
 **Which sublayers.**  Each pattern (a glob, :func:`fnmatch.fnmatchcase`) is compared with a
-sublayer's class name and with its attribute path below the block's Layer (``mlp``,
-``self_attn.q_proj``).  The block's Layer: the function itself when it is a Layer, the Layer of
-a bound method, the Layers a closure or a ``functools.partial`` holds (PaddleNLP's and
-PaddleFormers' ``create_custom_forward(layer)``, fleet's pipeline ``execute_func``), and the
-Layers among the block's arguments.  The outermost match wins: a matched sublayer's own
+sublayer's class name and with its attribute path below the block's Layer, whole or its
+ending (``mlp`` matches ``mlp`` and ``layers.3.mlp``; ``self_attn.q_proj``).  The block's
+Layer: the function itself when it is a Layer, the Layer of a bound method, the Layers a
+closure, a ``functools.partial`` or a list they hold reach (PaddleNLP's and PaddleFormers'
+``create_custom_forward(layer)``, fleet's pipeline ``execute_func`` over its
+``run_function``), and the Layers among the block's arguments.  The outermost match wins: a matched sublayer's own
 sublayers run inside it.  The Layer itself matches by class name only (its path is empty): then
 the block is not recomputed at all (PaddleNLP's ``no_recompute_layers``).
 
@@ -79,6 +80,10 @@ def _block_layers(function, args, kwargs):
             for o in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(o, depth + 1)
             return
+        if isinstance(obj, (list, tuple)):  # fleet's pipeline closes over its run_function
+            for o in obj:
+                visit(o, depth + 1)
+            return
         for cell in getattr(obj, "__closure__", None) or ():
             try:
                 visit(cell.cell_contents, depth + 1)
@@ -103,7 +108,8 @@ def _match_below(root, patterns):
         if any(path.startswith(p + ".") for p in inside):
             continue  # runs inside a matched sublayer
         name = type(layer).__name__
-        if any(fnmatch.fnmatchcase(name, p) or (path and fnmatch.fnmatchcase(path, p))
+        if any(fnmatch.fnmatchcase(name, p) or (path and (
+                fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, "*." + p)))
                for p in patterns):
             found.append(layer)
             if not path:  # the block's Layer itself: the whole block

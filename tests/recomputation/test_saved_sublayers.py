@@ -234,7 +234,8 @@ def test_kept_bytes_are_the_saved_tensors_and_outputs_of_the_kept_sublayer():
     assert counters["sublayers_not_recomputed"] == 1
 
 
-@pytest.mark.parametrize("how", ["layer", "bound_method", "closure", "partial", "argument"])
+@pytest.mark.parametrize("how", ["layer", "bound_method", "closure", "partial", "argument",
+                                 "list"])
 def test_the_blocks_layer_is_found_however_the_block_is_passed(monkeypatch, how):
     paddle.seed(11)
     net = Decoder()
@@ -248,6 +249,7 @@ def test_the_blocks_layer_is_found_however_the_block_is_passed(monkeypatch, how)
         "closure": (custom_forward(net), ()),
         "partial": (functools.partial(lambda layer, h: layer(h), net), ()),
         "argument": (through_argument, (net,)),
+        "list": (run_layers([net]), ()),  # fleet's pipeline: a closure over its layers
     }[how]
     stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
@@ -264,6 +266,15 @@ def test_the_blocks_layer_is_found_however_the_block_is_passed(monkeypatch, how)
     assert stats.snapshot()["policy"]["save:mlp"]["sublayers_not_recomputed"] == 1
 
 
+def run_layers(layers):
+    def execute(h):
+        for layer in layers:
+            h = layer(h)
+        return h
+
+    return execute
+
+
 def test_patterns_match_class_names_and_paths_outermost_first():
     paddle.seed(11)
     net = Decoder()
@@ -278,6 +289,9 @@ def test_patterns_match_class_names_and_paths_outermost_first():
     assert names("MLP") == ["mlp"]
     assert names("mlp", "mlp.gate") == ["mlp"]  # gate runs inside mlp
     assert names("mlp.*") == ["mlp.gate", "mlp.up", "mlp.down"]
+    assert names("gate") == names("mlp.gate") == ["mlp.gate"]  # a path's ending matches too
+    with pytest.warns(RuntimeWarning):
+        assert names("lp.gate") == []  # (whole components only)
     assert names("*proj") == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj"]
     assert names("Decoder", "mlp") == [""]  # the whole block
     assert names("*") == [""]

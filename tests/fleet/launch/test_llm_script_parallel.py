@@ -175,33 +175,37 @@ def test_llm_script_two_ranks_match_one_process(config, mode, reference, tmp_pat
         check_rank(config, kind, mode, a, where)
 
 
+@pytest.mark.parametrize("policy", ["gemm", "save:*Attention"])
 @pytest.mark.parametrize("config", ["tp2_async", "pp2_qwen_hybrid"])
-def test_llm_script_gemm_policy(config, reference, tmp_path):
-    """``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm`` (set in the environment, nothing else changed):
-    the linears' outputs kept from the forward -- RowParallelLinear's all-reduced in place, so
-    recomputed --, fleet's recompute and recompute_hybrid both under it; loss for loss as the
-    one plain process, and GEMMs spared on every rank."""
+def test_llm_script_policy(config, policy, reference, tmp_path):
+    """``PADDLE_MGRAD_RECOMPUTE_POLICY`` set in the environment, nothing else changed:
+    ``gemm`` keeps the linears' outputs from the forward (RowParallelLinear's all-reduced in
+    place, so recomputed), ``save:*Attention`` each decoder layer's attention whole (its
+    RowParallelLinear all-reduce included); fleet's recompute and recompute_hybrid both under
+    it; loss for loss as the one plain process, and GEMMs or attention calls spared on every
+    rank."""
     kind, flags, batch = CONFIGS[config]
     model_dir, ref_losses = reference(kind)
     out = run(tmp_path, config, model_dir,
               [*MGRAD, "--recompute_use_reentrant", "false",
                "--per_device_train_batch_size", str(batch), *flags], "mgrad", 2,
-              {"PADDLE_MGRAD_RECOMPUTE_POLICY": "gemm"})
+              {"PADDLE_MGRAD_RECOMPUTE_POLICY": policy})
     got = losses(out)
     diffs = [abs(a - b) for a, b in zip(got, ref_losses)]
     audits = [json.load(open(out / "audit" / f"audit.{r}.json")) for r in (0, 1)]
     import paddle
 
-    print(f"\nMEASURED llm-script {config} gemm policy paddle {paddle.__version__}: max |loss "
+    print(f"\nMEASURED llm-script {config} {policy} policy paddle {paddle.__version__}: max |loss "
           f"diff| {max(diffs):.3g}; policy {[a['policy'] for a in audits]}")
     assert len(got) == MAX_STEPS and max(diffs) <= TOL, (got, ref_losses)
     for a in audits:
-        where = f"{config} gemm rank {a['rank']}"
+        where = f"{config} {policy} rank {a['rank']}"
         check_rank(config, kind, "non_reentrant", a, where)
-        g = a["policy"].get("gemm", {})
+        g = a["policy"].get(policy, {})
         blocks = a["recompute"]["recomputations"]
         assert g.get("calls") == g.get("replays") == blocks > 0, (where, a["policy"])
-        assert g.get("gemms_not_recomputed", 0) > 0, (where, a["policy"])
+        spared = "gemms_not_recomputed" if policy == "gemm" else "sublayers_not_recomputed"
+        assert g.get(spared, 0) > 0, (where, a["policy"])
 
 
 def check_rank(config, kind, mode, a, where):
