@@ -114,6 +114,15 @@ def parse_recompute_policy(text: str, what: str = "the policy") -> str:
     ignored, case kept: class names are compared as written); anything else raises ValueError
     naming ``what`` and the accepted names."""
     text = text.strip()
+    if text[:7].lower() == "budget:":
+        try:
+            fraction = float(text[7:])
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 <= fraction <= 1.0:  # (nan fails too)
+            raise ValueError(f"{what}: budget: takes a fraction from 0 to 1 of the bytes a "
+                             "block's activations take without recompute (budget:0.5)")
+        return f"budget:{fraction:g}"
     if text[:5].lower() == "save:":
         patterns = [p.strip() for p in text[5:].split(",")]
         if not all(patterns):
@@ -124,13 +133,19 @@ def parse_recompute_policy(text: str, what: str = "the policy") -> str:
     name = text.lower() or "full"
     if name not in RECOMPUTE_POLICIES:
         raise ValueError(f"{what}: unknown recompute policy; accepted: "
-                         f"{', '.join(RECOMPUTE_POLICIES)}, save:<pattern>[,<pattern>...]")
+                         f"{', '.join(RECOMPUTE_POLICIES)}, save:<pattern>[,<pattern>...], "
+                         "budget:<fraction>")
     return name
 
 
 def save_patterns(name: str) -> Tuple[str, ...]:
     """The patterns of a parsed ``save:`` policy name."""
     return tuple(name[5:].split(","))
+
+
+def budget_fraction(name: str) -> float:
+    """The fraction of a parsed ``budget:`` policy name."""
+    return float(name[7:])
 
 
 @dataclass(frozen=True)
@@ -173,12 +188,15 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("PADDLE_MGRAD_DETERMINISM_CHECK", "shapes (default), values or none",
          _choice("shapes", "values", "none"), "shapes",
          "how recomputation is checked against the forward pass"),
-    Knob(RECOMPUTE_POLICY, "full (default), gemm, or save:<pattern>[,<pattern>...]",
+    Knob(RECOMPUTE_POLICY, "full (default), gemm, save:<pattern>[,<pattern>...] or "
+         "budget:<fraction>",
          parse_recompute_policy,
          "full", "what recompute keeps from the forward instead of recomputing, for every "
          "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
          "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
-         "whose class name or attribute path matches (a glob: save:*MLP)"),
+         "whose class name or attribute path matches (a glob: save:*MLP), budget:<fraction> "
+         "chooses them by replay time per byte measured in the first calls, within that "
+         "fraction of the bytes of the block's activations"),
     Knob("PADDLE_MGRAD_REPORT", "a directory path", _path, None,
          "write one JSON report per process at exit (what was on, the counters)"),
     Knob("PADDLE_MGRAD_NOX_FREE_VENVS", "0/1", _boolean, False,

@@ -29,6 +29,11 @@ recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 
 #: tensors), ``replays`` (recomputations), and over those the GEMMs not recomputed, their
 #: FLOPs, and the sublayer calls not recomputed
 policy: dict = {}
+#: per ``budget:`` policy, per kind of block (its Layer's class): the plan made after the
+#: measured calls -- ``chosen`` sublayers, ``budget_bytes``, ``block_bytes`` (the block's
+#: activations without recompute) and per candidate the ``measured`` seconds and bytes.  A
+#: plan holds for the rest of the process (not cleared by :func:`reset`).
+plans: dict = {}
 POLICY_COUNTERS = ("calls", "kept_outputs", "kept_bytes", "replays", "gemms_not_recomputed",
                    "gemm_flops_not_recomputed", "sublayers_kept", "sublayers_not_recomputed")
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
@@ -68,6 +73,12 @@ def bump_policy(name: str, **increments):
             counters[k] += n
 
 
+def set_plan(name: str, kind: str, plan: dict):
+    """Record the plan a ``budget:`` policy made for a kind of block."""
+    with _lock:
+        plans.setdefault(name, {})[kind] = plan
+
+
 def reset():
     with _lock:
         for counters in (recompute, linear, paddle_c_ops):
@@ -82,4 +93,5 @@ def snapshot() -> dict:
         return {"recompute": dict(recompute), "linear": dict(linear),
                 "paddle_c_ops": dict(paddle_c_ops),
                 "policy": {k: dict(v) for k, v in policy.items()},
+                "plans": {k: dict(v) for k, v in plans.items()},
                 "fused_params": set(fused_params)}

@@ -196,6 +196,8 @@ class _Frame:
         (the tensor itself would hold its own grad node from inside the graph: a reference
         cycle through C++ that no garbage collector sees, and the block's graph would live
         for good)."""
+        measured = self.sublayers is not None and self.sublayers.measure is not None
+        activations = self.activation_bytes() if measured else 0
         pending, self.pending = self.pending, None
         changed = self._release_changed_arguments()
         if changed:
@@ -204,7 +206,8 @@ class _Frame:
         if self.policy is not None:
             saved = 0 if changed or self.sublayers is None else self._saved_bytes()
             _policy.forward_done(self.policy, self.kept, self.sublayers,
-                                 recomputed=not changed, saved_bytes=saved)
+                                 recomputed=not changed, saved_bytes=saved,
+                                 activation_bytes=activations)
         if changed:
             holders = self.holders
             for index, x in pending:
@@ -213,6 +216,17 @@ class _Frame:
                     holder.kept = True
                     holder.value = detached_view(x)
         self.arg_tensors = None  # (the arguments themselves stay in self.args)
+
+    def activation_bytes(self, start: int = 0) -> int:
+        """While the forward runs: the bytes of the activations saved since saved tensor
+        #``start`` that recomputation will reproduce (what the block keeps without recompute,
+        less the parameters and arguments, kept anyway)."""
+        total = 0
+        for index, x in reversed(self.pending):
+            if index < start:
+                break
+            total += math.prod(x.shape) * x.element_size()
+        return total
 
     def _saved_bytes(self) -> int:
         """The bytes of the activations kept because a kept sublayer saved them."""

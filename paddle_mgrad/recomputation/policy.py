@@ -17,6 +17,9 @@ recompute (and to no recompute); only memory and time change.
   recomputed at all: what their ops saved and their outputs are kept from the forward, and the
   replay skips them (:mod:`.saved_sublayers`).  Megatron's ``--recompute-modules`` inverted, at
   sublayer grain; no model edits.
+* ``"budget:<fraction>"``: automatic.  Within ``fraction`` times the bytes the block's
+  activations take without recompute, keep the sublayers with the most replay time per byte
+  kept, measured on this machine in the block's first calls (:mod:`.budget`).
 * a callable ``policy(call) -> bool``: asked once per fused linear in the block's forward with
   a :class:`GemmCall`; True keeps that output (``lambda c: c.flops > 1e9``).
 
@@ -41,7 +44,7 @@ from typing import Callable, Optional, Tuple, Union
 
 from .. import env, stats
 from ..autograd.recomputing import KeptOutputs
-from . import saved_sublayers as _saved
+from . import budget as _budget, saved_sublayers as _saved
 
 __all__ = ["POLICIES", "ENV_POLICY", "GemmCall", "Policy", "resolve"]
 
@@ -73,6 +76,7 @@ class Policy:
     chooser: Optional[Callable] = None  # None: keep every GEMM output
     gemm: bool = True
     patterns: Tuple[str, ...] = ()
+    planner: Optional[_budget.Planner] = None  # budget: measures, then chooses sublayers
 
     def kept_outputs(self) -> Optional[KeptOutputs]:
         """A new :class:`KeptOutputs` for one block call, asking this policy (None: it keeps
@@ -84,6 +88,8 @@ class Policy:
     def saved_sublayers(self, function, args, kwargs) -> Optional[_saved.Sublayers]:
         """The sublayers of the block ``function(*args, **kwargs)`` this policy does not
         recompute (None: none)."""
+        if self.planner is not None:
+            return self.planner.sublayers(function, args, kwargs)
         if not self.patterns:
             return None
         layers = _saved.matching(self.patterns, function, args, kwargs)
@@ -102,7 +108,9 @@ def _keep_all(x, weight, y) -> bool:
 
 
 _GEMM = Policy("gemm")
-_SAVE: dict = {}  # "save:..." -> its Policy (resolved at every recompute call)
+#: "save:..." / "budget:..." -> its Policy (resolved at every recompute call; a budget's plans
+#: live as long as the process)
+_NAMED: dict = {}
 
 
 def resolve(value: Union[None, str, Callable] = None) -> Optional[Policy]:
@@ -122,17 +130,24 @@ def resolve(value: Union[None, str, Callable] = None) -> Optional[Policy]:
         return None
     if name == "gemm":
         return _GEMM
-    policy = _SAVE.get(name)
+    policy = _NAMED.get(name)
     if policy is None:
-        policy = _SAVE[name] = Policy(name, gemm=False,
-                                      patterns=env.save_patterns(name))
+        if name.startswith("budget:"):
+            policy = Policy(name, gemm=False,
+                            planner=_budget.Planner(name, env.budget_fraction(name)))
+        else:
+            policy = Policy(name, gemm=False, patterns=env.save_patterns(name))
+        policy = _NAMED.setdefault(name, policy)
     return policy
 
 
 def forward_done(policy: Policy, kept: Optional[KeptOutputs], sublayers, recomputed: bool,
-                 saved_bytes: int):
+                 saved_bytes: int, activation_bytes: int = 0):
     """A block's forward under ``policy`` returned: drop what cannot be handed back (all of it
-    when the block will not be ``recomputed``), count the call."""
+    when the block will not be ``recomputed``), count the call; a ``budget:`` policy's
+    measuring call reports what it measured (``activation_bytes``: the block's)."""
+    if sublayers is not None and sublayers.measure is not None:
+        sublayers.measure.done(sublayers, activation_bytes)
     if not recomputed:
         if kept is not None:
             kept.entries.clear()

@@ -45,6 +45,7 @@ import fnmatch
 import functools
 import math
 import threading
+import time
 import warnings
 import weakref
 
@@ -53,7 +54,7 @@ from ..autograd.recomputing import replayed_output
 from . import rng as _rng
 from .tensors import function_name, iter_tensors
 
-__all__ = ["matching", "Sublayers", "running"]
+__all__ = ["block_layers", "matching", "Sublayers", "running"]
 
 #: ``_active.block``: ``(Sublayers, frame)`` of the block whose forward or recomputation this
 #: thread runs right now, None when none (or when the innermost block keeps no sublayer).
@@ -61,7 +62,7 @@ _active = threading.local()
 
 
 # -- which sublayers ------------------------------------------------------------
-def _block_layers(function, args, kwargs):
+def block_layers(function, args, kwargs):
     """The Layers a block runs (module docstring): found through the function, one level of
     closures and partials, and the arguments."""
     layers = []
@@ -122,7 +123,7 @@ def matching(patterns, function, args, kwargs):
     """The sublayers of the block ``function(*args, **kwargs)`` that ``patterns`` select
     (module docstring), outermost first; a warning, once per place, when none does."""
     found, seen = [], set()
-    for root in _block_layers(function, args, kwargs):
+    for root in block_layers(function, args, kwargs):
         with _matches_lock:
             per_root = _matches.setdefault(root, {})
             layers = per_root.get(patterns)
@@ -198,17 +199,26 @@ class Sublayers:
 
     ``depth``: how many kept sublayers this thread is inside right now (the frame's pack hook
     keeps what is saved while it is not 0).  ``cursor``, ``skipped``: the current (or last)
-    recomputation's next region and how many it did not run."""
+    recomputation's next region and how many it did not run.
 
-    __slots__ = ("layers", "ids", "regions", "depth", "cursor", "skipped")
+    With ``measure`` (the ``budget:`` policy's measuring calls, :mod:`.budget`) nothing is
+    kept: each sublayer's forward is timed (``times``) and what keeping it would cost is
+    counted (``costs``: the activations its ops save, and its tensor outputs), by the name
+    ``measure.names`` gives it; ``measure.done`` gets them when the block's forward ends."""
 
-    def __init__(self, layers):
+    __slots__ = ("layers", "ids", "regions", "depth", "cursor", "skipped", "measure", "times",
+                 "costs")
+
+    def __init__(self, layers, measure=None):
         self.layers = layers
         self.ids = frozenset(id(layer) for layer in layers)
         self.regions: list = []
         self.depth = 0
         self.cursor = 0
         self.skipped = 0
+        self.measure = measure
+        self.times: dict = {}
+        self.costs: dict = {}
 
     def call(self, frame, layer, forward, args, kwargs):
         """``layer``'s call inside the block: recorded in the forward, skipped (or run) in a
@@ -217,6 +227,8 @@ class Sublayers:
             return forward(*args, **kwargs)
         if frame.replaying:
             return self._replay(frame, layer, forward, args, kwargs)
+        if self.measure is not None:
+            return self._measured(frame, layer, forward, args, kwargs)
         inputs = list(iter_tensors((args, kwargs)))
         versions = [t._inplace_version() for t in inputs]
         start = len(frame.specs)
@@ -229,6 +241,23 @@ class Sublayers:
         outputs = None if changed_input else _map(out, lambda o: _Held(o) if is_tensor(o) else o)
         rng = None if frame.rng is None else _rng.capture()
         self.regions.append(_Region(layer, start, len(frame.specs), outputs, rng))
+        return out
+
+    def _measured(self, frame, layer, forward, args, kwargs):
+        inputs = list(iter_tensors((args, kwargs)))
+        on_device = any(not t.place.is_cpu_place() for t in inputs[:1])
+        if on_device:  # (host clock: the device's queue must be empty at both ends)
+            paddle.device.synchronize()
+        start = len(frame.specs)
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        if on_device:
+            paddle.device.synchronize()
+        seconds = time.perf_counter() - t0
+        name = self.measure.names[id(layer)]
+        self.times[name] = self.times.get(name, 0.0) + seconds
+        self.costs[name] = self.costs.get(name, 0) + frame.activation_bytes(start) + sum(
+            math.prod(t.shape) * t.element_size() for t in iter_tensors(out))
         return out
 
     def _replay(self, frame, layer, forward, args, kwargs):

@@ -1,0 +1,149 @@
+"""The ``budget:<fraction>`` recompute policy: which sublayers to keep, measured on this machine.
+
+``save:<pattern>`` keeps the sublayers the user names (:mod:`.saved_sublayers`).  ``budget:f``
+chooses them: within ``f`` times the bytes the block's activations take without recompute, keep
+the sublayers that cost the most replay time per byte kept, and recompute the rest.  What is
+costly depends on the machine and the model (on a GPU the GEMMs dominate a decoder layer's time,
+on a CPU attention's softmax and the elementwise ops weigh more), so it is measured, not assumed:
+
+* **Candidates**: the direct sublayers of the Layer the block runs (a decoder layer's norms,
+  attention, MLP; the block's Layer found as for ``save:``).  Blocks are planned by kind: the
+  Layer's class and its sublayers' names, so every decoder layer of a model shares one plan.
+* **Measuring**: the first :data:`MEASURED_CALLS` calls of a kind run as full recompute (so
+  bit-identical like every policy) while each candidate's forward is timed (host clock; on an
+  accelerator synchronised around each candidate, in these calls only) and the bytes it costs
+  to keep are counted: the activations its ops save (the pack hook sees them; parameters and
+  the block's arguments are kept anyway and cost nothing) plus its tensor outputs.  The block's
+  own activation bytes (what it keeps without recompute) are counted too.  A candidate's time
+  is its minimum over those calls (the first call of a process pays warm-ups), its bytes their
+  mean.
+* **Choice**: candidates in decreasing replay time per byte kept, each taken while the bytes
+  taken stay within ``f`` times the block's activation bytes (one that does not fit is passed
+  over for a smaller one after it).  A candidate that costs no byte is always taken.  From then
+  on the kind runs as ``save:`` of the chosen sublayers; the plan is in
+  ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen, measured seconds and bytes).
+
+``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
+to what no recompute keeps.
+"""
+from __future__ import annotations
+
+import threading
+
+from .. import stats
+from .saved_sublayers import Sublayers, block_layers
+
+__all__ = ["MEASURED_CALLS", "Planner"]
+
+#: block calls of a kind measured before its plan is made
+MEASURED_CALLS = 3
+
+
+def _kind(root):
+    """A plan's key: the Layer's class and its direct sublayers' names."""
+    return (type(root).__qualname__, tuple(name for name, _ in root.named_children()))
+
+
+class _Kind:
+    """What was measured of one kind of block, and its plan once made."""
+
+    __slots__ = ("names", "seconds", "bytes", "block_bytes", "calls", "chosen")
+
+    def __init__(self, names):
+        self.names = names
+        self.seconds = {n: None for n in names}  # min over calls of the per-call sum
+        self.bytes = {n: 0 for n in names}  # summed over calls
+        self.block_bytes = 0  # summed over calls
+        self.calls = 0
+        self.chosen = None  # tuple of names once planned
+
+
+class _Measurement:
+    """What a measuring :class:`Sublayers` reports to: its planner, its kind, the candidates'
+    names by layer id."""
+
+    __slots__ = ("planner", "key", "names")
+
+    def __init__(self, planner, key, names):
+        self.planner, self.key, self.names = planner, key, names
+
+    def done(self, sublayers, block_bytes):
+        self.planner.measured(self.key, sublayers, block_bytes)
+
+
+class Planner:
+    """The plans of one ``budget:`` policy (module docstring)."""
+
+    def __init__(self, name: str, fraction: float):
+        self.name = name
+        self.fraction = fraction
+        self.kinds: dict = {}
+        self.lock = threading.Lock()
+
+    def sublayers(self, function, args, kwargs):
+        """The :class:`Sublayers` of one call of the block: measuring ones while its kind is
+        measured, then the planned ones (None: none kept, or no Layer found)."""
+        roots = block_layers(function, args, kwargs)
+        if not roots:
+            return None
+        root = roots[0]
+        key = _kind(root)
+        children = dict(root.named_children())
+        with self.lock:
+            kind = self.kinds.get(key)
+            if kind is None:
+                kind = self.kinds[key] = _Kind(tuple(children))
+            chosen = kind.chosen
+        if chosen is None:
+            if not children:
+                return None
+            names = {id(layer): name for name, layer in children.items()}
+            return Sublayers(tuple(children.values()), _Measurement(self, key, names))
+        return Sublayers(tuple(children[n] for n in chosen)) if chosen else None
+
+    def measured(self, key, sublayers: Sublayers, block_bytes: int):
+        """One measured block call is done (its forward): add it, and plan the kind once
+        :data:`MEASURED_CALLS` calls were measured."""
+        with self.lock:
+            kind = self.kinds[key]
+            if kind.chosen is not None:
+                return
+            for name in kind.names:
+                seconds = sublayers.times.get(name, 0.0)
+                best = kind.seconds[name]
+                kind.seconds[name] = seconds if best is None else min(best, seconds)
+                kind.bytes[name] += sublayers.costs.get(name, 0)
+            kind.block_bytes += block_bytes
+            kind.calls += 1
+            if kind.calls < MEASURED_CALLS:
+                return
+            kind.chosen = self._choose(kind)
+            report = self._report(kind)
+        stats.set_plan(self.name, key[0], report)
+
+    def _choose(self, kind):
+        calls = kind.calls
+        budget = self.fraction * kind.block_bytes / calls
+        order = sorted(kind.names, key=lambda n: _per_byte(kind.seconds[n] or 0.0,
+                                                           kind.bytes[n] / calls), reverse=True)
+        chosen, taken = set(), 0.0
+        for name in order:
+            cost = kind.bytes[name] / calls
+            if not kind.seconds[name]:
+                continue  # (never called: nothing to spare)
+            if taken + cost <= budget:
+                chosen.add(name)
+                taken += cost
+        return tuple(n for n in kind.names if n in chosen)
+
+    def _report(self, kind):
+        calls = kind.calls
+        return {"chosen": list(kind.chosen),
+                "budget_bytes": int(self.fraction * kind.block_bytes / calls),
+                "block_bytes": kind.block_bytes // calls,
+                "measured": {n: {"seconds": kind.seconds[n], "bytes": kind.bytes[n] // calls}
+                             for n in kind.names}}
+
+
+def _per_byte(seconds, nbytes):
+    return float("inf") if nbytes == 0 else seconds / nbytes

@@ -1,0 +1,157 @@
+"""The ``budget:<fraction>`` recompute policy (:mod:`paddle_mgrad.recomputation.budget`): the
+first calls of a kind of block are measured under full recompute, then the sublayers with the
+most replay time per byte are kept within the fraction.  Bit-identical to no recompute over the
+measured and the planned calls, in both modes; the choice follows the measured figures (a
+planner fed fixed figures); the measured bytes are what ``save:`` of the same sublayer keeps."""
+import numpy as np
+import paddle
+import pytest
+from decoder import ROWS, D, Decoder, custom_forward
+from paddle.distributed.fleet.utils import recompute as paddles_recompute
+from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+
+import paddle_mgrad
+from paddle_mgrad import EnvError, stats
+from paddle_mgrad.recomputation import budget, policy as policy_mod
+
+MODES = ("reentrant", "non_reentrant")
+STEPS = budget.MEASURED_CALLS + 2  # measured calls, then planned ones
+
+
+def train(how, policy=None, steps=STEPS):
+    """``steps`` micro-steps of a :class:`decoder.Decoder` with recompute ``how`` ("none" or a
+    mode) under ``policy``; every result as numpy."""
+    paddle_mgrad.disable()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(11)
+        net = Decoder()
+        MixPrecisionLayer(net, dtype="float16")
+        rs = np.random.RandomState(2)
+        result = {}
+        for step in range(steps):
+            x = paddle.to_tensor(rs.standard_normal([ROWS, D]).astype("float32"))
+            x.stop_gradient = False
+            h = x * 1.0
+            if how == "none":
+                out = net(h)
+            else:
+                out = paddle_mgrad.recompute(custom_forward(net), h,
+                                             use_reentrant=how == "reentrant", policy=policy)
+            (out * paddle.arange(ROWS * D, dtype="float32").reshape([ROWS, D])).sum().backward()
+            result[f"out{step}"] = out.numpy()
+            result[f"x{step}.grad"] = x.grad.numpy()
+        for name, p in net.named_parameters():
+            result[name + ".main_grad"] = p.main_grad.numpy()
+        return result
+    finally:
+        paddle_mgrad.disable()
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Each test plans anew: the resolved budget policies (and their plans) are forgotten."""
+    monkeypatch.setattr(policy_mod, "_NAMED", {})
+    monkeypatch.setattr(stats, "plans", {})
+    stats.reset()
+
+
+@pytest.mark.parametrize("fraction", ["0", "0.3", "0.6", "1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_budget_equals_no_recompute(fresh_plans, mode, fraction):
+    ref = train("none")
+    got = train(mode, f"budget:{fraction}")
+    unequal = [k for k in ref if not np.array_equal(got[k], ref[k])]
+    assert not unequal, unequal
+    name = f"budget:{float(fraction):g}"
+    plan = stats.snapshot()["plans"][name]["Decoder"]
+    counters = stats.snapshot()["policy"][name]
+    chosen = plan["chosen"]
+    # planned after the measured calls; the planned calls skip what was chosen
+    planned = STEPS - budget.MEASURED_CALLS
+    assert counters["calls"] == STEPS
+    assert counters["sublayers_not_recomputed"] == planned * len(chosen)
+    taken = sum(plan["measured"][n]["bytes"] for n in chosen)
+    assert taken <= plan["budget_bytes"] == int(float(fraction) * plan["block_bytes"])
+    assert plan["block_bytes"] > 0
+    assert sorted(plan["measured"]) == sorted(["input_layernorm", "self_attn",
+                                               "post_attention_layernorm", "mlp", "dropout"])
+
+
+def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans):
+    train("non_reentrant", "budget:1")
+    train("non_reentrant", "budget:0")
+    plans = stats.snapshot()["plans"]
+    assert plans["budget:1"]["Decoder"]["chosen"]
+    free = [n for n, m in plans["budget:0"]["Decoder"]["measured"].items() if m["bytes"] == 0]
+    assert plans["budget:0"]["Decoder"]["chosen"] == free
+
+
+class _Figures:
+    """What a measuring call reports: per candidate seconds and bytes."""
+
+    def __init__(self, seconds, costs):
+        self.times, self.costs = seconds, costs
+
+
+@pytest.mark.parametrize("fraction, chosen", [
+    (0.3, ("b", "c", "free")),  # b (0.1 s/B) and c (0.02) fill 60 of 60 bytes; a passed over
+    (0.2, ("b", "free")),       # c (50) no longer fits after b (10): skipped for nothing
+    (1.0, ("a", "b", "c", "free")),
+    (0.0, ("free",)),           # a candidate that costs no byte is always kept
+])
+def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fraction, chosen):
+    names = ("a", "b", "c", "free", "never")
+    planner = budget.Planner("budget:test", fraction)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind(names)
+    for call in range(budget.MEASURED_CALLS):
+        # times vary between calls: the minimum counts (warm-ups); bytes are averaged
+        slow = 5.0 if call == 0 else 1.0
+        planner.measured(key, _Figures({"a": slow, "b": 1.0, "c": 1.0, "free": 0.5},
+                                       {"a": 100, "b": 10, "c": 50, "free": 0}), 200)
+    assert planner.kinds[key].chosen == chosen
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert report["chosen"] == list(chosen)
+    assert report["measured"]["a"] == {"seconds": 1.0, "bytes": 100}
+    assert report["measured"]["never"] == {"seconds": 0.0, "bytes": 0}  # (never called)
+    assert report["block_bytes"] == 200 and report["budget_bytes"] == int(fraction * 200)
+
+
+def test_measured_bytes_are_what_save_keeps(fresh_plans):
+    """A candidate's measured bytes (its ops' saved activations and its outputs) equal what
+    ``save:`` of that sublayer keeps (``kept_bytes``)."""
+    train("non_reentrant", "budget:0.5")
+    measured = stats.snapshot()["plans"]["budget:0.5"]["Decoder"]["measured"]
+    for name in ("mlp", "self_attn", "post_attention_layernorm"):
+        stats.reset()
+        train("non_reentrant", f"save:{name}", steps=1)
+        assert stats.snapshot()["policy"][f"save:{name}"]["kept_bytes"] == \
+            measured[name]["bytes"], name
+
+
+def test_budget_from_the_environment_reaches_paddles_own_recompute(fresh_plans, monkeypatch):
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", " Budget:0.50 ")
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(11)
+        net = Decoder()
+        for _ in range(STEPS):
+            h = paddle.randn([ROWS, D])
+            h.stop_gradient = False
+            paddles_recompute(custom_forward(net), h * 1.0).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    snap = stats.snapshot()
+    assert snap["policy"]["budget:0.5"]["calls"] == STEPS
+    assert "Decoder" in snap["plans"]["budget:0.5"]
+
+
+@pytest.mark.parametrize("bad", ["budget:", "budget:x", "budget:1.5", "budget:-0.1",
+                                 "budget:nan"])
+def test_bad_budgets_are_named(monkeypatch, bad):
+    with pytest.raises(ValueError, match=r"budget: takes a fraction from 0 to 1"):
+        policy_mod.resolve(bad)
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", bad)
+    with pytest.raises(EnvError, match=r"PADDLE_MGRAD_RECOMPUTE_POLICY=.*budget:<fraction>"):
+        policy_mod.resolve()
