@@ -2,7 +2,7 @@
 under no recompute, full recompute and each policy given, interleaved in one process.
 
     python benchmarks/bench_recompute_policy.py [--model small|wide] [--rounds 6] [--steps 3]
-        [--policies gemm save:self_attn save:mlp]
+        [--policies gemm save:self_attn save:mlp budget:0.5]
 
 paddle_mgrad on (``enable(recompute=True, fused_linear=True)``), fp32 master gradients through
 ``MixPrecisionLayer`` kept across steps, recompute as PaddleNLP runs it (``recompute_granularity
@@ -29,7 +29,7 @@ MODELS = {
     "small": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, batch=2),
     "wide": dict(hidden_size=1024, intermediate_size=2752, num_attention_heads=16, batch=1),
 }
-POLICIES = ("gemm", "save:self_attn", "save:mlp")
+POLICIES = ("gemm", "save:self_attn", "save:mlp", "budget:0.5")
 ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 
 
@@ -127,6 +127,12 @@ def main():
               f" MiB kept; {c.get('gemms_not_recomputed', 0)} GEMMs "
               f"({c.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) and "
               f"{c.get('sublayers_not_recomputed', 0)} sublayer calls not recomputed")
+        for kind, plan in stats.snapshot()["plans"].get(name, {}).items():
+            print(f"    plan for {kind}: keep {plan['chosen']} within "
+                  f"{plan['budget_bytes'] / 2**20:.1f} of {plan['block_bytes'] / 2**20:.1f} MiB; "
+                  "measured ms / MiB: " + ", ".join(
+                      f"{n} {m['seconds'] * 1e3:.2f} / {m['bytes'] / 2**20:.2f}"
+                      for n, m in plan["measured"].items()))
     return 0 if same else 1
 
 
