@@ -283,7 +283,8 @@ def test_a_callable_policy_is_asked_about_a_3d_input():
     counters = stats.snapshot()["policy"]["down_only"]
     assert counters == {"calls": 1, "kept_outputs": 1, "kept_bytes": 4 * 2 * ROWS * D,
                         "replays": 1, "gemms_not_recomputed": 1,
-                        "gemm_flops_not_recomputed": 2 * 2 * ROWS * F * D}
+                        "gemm_flops_not_recomputed": 2 * 2 * ROWS * F * D,
+                        "sublayers_kept": 0, "sublayers_not_recomputed": 0}
 
 
 class _KeepEvery:
