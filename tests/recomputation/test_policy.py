@@ -408,3 +408,27 @@ def test_kept_outputs_in_call_order():
     kept.rewind()
     assert kept.take(x, w_out) is None  # the weight's shape differs from the forward's
     assert kept.take(paddle.ones([2, ROWS, F]), w_in) is None  # the input's does
+
+
+@pytest.mark.parametrize("policy", ["gemm", "save:down"])
+def test_a_block_that_changes_its_input_keeps_nothing_for_its_policy(policy):
+    """A block that changes its argument in place is never recomputed (its activations are
+    kept from the forward): its policy keeps no output and no sublayer, and counts no bytes."""
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        net, x = mlp_and_input()
+
+        def block(h):
+            h.scale_(2.0)
+            return net.block(h)
+
+        paddle_mgrad.recompute(block, net.pre(x), use_reentrant=False,
+                               policy=policy).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    counters = stats.snapshot()["policy"][policy]
+    assert counters == {"calls": 1, "kept_outputs": 0, "kept_bytes": 0, "replays": 0,
+                        "gemms_not_recomputed": 0, "gemm_flops_not_recomputed": 0,
+                        "sublayers_kept": 0, "sublayers_not_recomputed": 0}
+    assert stats.snapshot()["recompute"]["kept_from_forward"] == 1
