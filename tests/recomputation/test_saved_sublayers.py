@@ -213,6 +213,7 @@ def test_what_the_recomputation_runs(monkeypatch, policy, replayed, kept):
     assert counters["sublayers_not_recomputed"] == (0 if kept == [""] else len(kept))
     assert counters["kept_bytes"] > 0
     assert counters["gemms_not_recomputed"] == counters["kept_outputs"] == 0
+    assert counters["gemm_flops_not_recomputed"] == 0
 
 
 def test_kept_bytes_are_the_saved_tensors_and_outputs_of_the_kept_sublayer():
