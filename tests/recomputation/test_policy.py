@@ -432,3 +432,14 @@ def test_a_block_that_changes_its_input_keeps_nothing_for_its_policy(policy):
                         "gemms_not_recomputed": 0, "gemm_flops_not_recomputed": 0,
                         "sublayers_kept": 0, "sublayers_not_recomputed": 0}
     assert stats.snapshot()["recompute"]["kept_from_forward"] == 1
+
+
+def test_a_save_policy_is_made_once_per_name(monkeypatch):
+    """``save:<pattern>,...`` resolves to a policy that keeps no GEMM output and holds the
+    patterns, made once per name (a fresh cache here: the one of the process may be filled)."""
+    monkeypatch.setattr(policy_mod, "_SAVE", {})
+    made = policy_mod.resolve("save:mlp.down,*Norm")
+    assert made == policy_mod.Policy("save:mlp.down,*Norm", gemm=False,
+                                     patterns=("mlp.down", "*Norm"))
+    assert made.kept_outputs() is None
+    assert policy_mod.resolve("save:mlp.down,*Norm") is made
