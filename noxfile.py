@@ -10,13 +10,16 @@
     nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
     nox -s lint                          # ruff check (rules: ruff.toml), pinned ruff, seconds
     nox -s format                        # ruff format the tree (not run by CI; docs/development.md)
+    nox -s mutants                       # mutmut over the gradient core (not run by CI; ~45 min)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
 it succeeds, so the disk holds one at a time (all of them together take ~15 GB).
 """
+import configparser
 import functools
 import os
+import re
 import shutil
 
 import nox
@@ -60,6 +63,9 @@ def _workers():
 # PADDLE_MGRAD_TEST_WORKERS=0) runs in one process.
 XDIST = ["-n", _workers(), "--dist", "worksteal"] if _workers() != "0" else []
 PYTEST = ["pytest", "-q", "-p", "no:cacheprovider"]
+# Mutation testing (``nox -s mutants``), pinned: mutmut's mutation operators change between
+# releases, and with them the survivors docs/development.md lists as equivalent.
+MUTMUT = "mutmut==3.8.1"
 # The linter/formatter, pinned: a new ruff release may add findings to a tree that was green.
 RUFF = "ruff==0.17.6"
 # Equal thread counts everywhere (Paddle forces 1 at import unless set).
@@ -112,6 +118,56 @@ def format_tree(session):
     """ruff format, in place (adopted, not yet applied to the tree: docs/development.md)."""
     session.install(RUFF)
     session.run("ruff", "format", *(session.posargs or ["."]))
+
+
+@nox.session
+@_frees_venv
+def mutants(session):
+    """mutmut over the modules that decide gradients, against their fast tests (what is mutated
+    and which tests run: setup.cfg's [mutmut]), Paddle 3.3.1; then the survivors.  Arguments
+    select mutants: ``nox -s mutants -- "paddle_mgrad.recomputation.policy*"``.  Results are
+    kept in mutants/ and a rerun tests only the functions that changed; delete mutants/ for a
+    fresh run.  Not in .ci/run (docs/development.md#mutation-testing)."""
+    session.install(*PADDLE_PINS["3.3.1"], *TEST_DEPS, MUTMUT)
+    # paddle_mgrad is not installed: mutmut puts mutants/ first on sys.path, where the tests
+    # import it from (and the crash probes' subprocesses, through tests/helpers.py's ROOT).
+    # One thread: mutmut forks a worker per mutant from a process that ran Paddle, and an
+    # OpenMP pool does not survive a fork.  One worker: a mutant's tests take seconds, and the
+    # machine's other cores stay free.
+    env = dict(ENV, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    session.run("mutmut", "run", "--max-children", "1", *session.posargs, env=env)
+    results = session.run("mutmut", "results", env=env, silent=True) or ""
+    if _installing_only(session):
+        return
+    session.log(results)
+    root = os.path.dirname(os.path.abspath(__file__))
+    mutated = configparser.ConfigParser()
+    mutated.read(os.path.join(root, "setup.cfg"))
+    modules = {os.path.basename(path)[:-3]: path[:-3].replace("/", ".")
+               for path in mutated.get("mutmut", "only_mutate").split()}
+    with open(os.path.join(root, "docs", "development.md"), encoding="utf-8") as f:
+        explained = _explained_mutants(f.read(), modules)
+    unexplained = [line.strip() for line in results.splitlines()
+                   if ": " in line and line.split(":")[0].strip() not in explained]
+    if unexplained:
+        session.error("mutants that no test kills and docs/development.md#mutation-testing does "
+                      "not explain (kill each with a test, or add its line there):\n"
+                      + "\n".join(unexplained))
+
+
+def _explained_mutants(doc, modules):
+    """The mutant names the table of docs/development.md#mutation-testing lists, one row per
+    function: ``| `recomputing.KeptOutputs.__init__` | 5, 6 | why |`` stands for mutmut's
+    ``paddle_mgrad.autograd.recomputing.xǁKeptOutputsǁ__init____mutmut_5`` and ``_6``
+    (``modules``: a mutated module's dotted name by its file's name)."""
+    names = set()
+    for row in re.findall(r"^\| `(\w+)\.([\w.]+)` \| ([\d, ]+) \|", doc, re.M):
+        module, function, numbers = row
+        owner, _, name = function.rpartition(".")
+        mangled = f"xǁ{owner}ǁ{name}" if owner else f"x_{name}"
+        names.update(f"{modules[module]}.{mangled}__mutmut_{n.strip()}"
+                     for n in numbers.split(","))
+    return names
 
 
 @nox.session

@@ -280,6 +280,123 @@ def test_bad_input_raises_clear_error(backend, name, make, needle):
         assert what in msg, (what, msg)
 
 
+# One call per refusal of the input check, and its whole text: what is wrong, then every
+# operand the call uses, shape, dtype and (for the accumulators) place.
+WHOLE = [
+    ("leading dims", lambda: (paddle.randn([3, 8]), paddle.randn([4, 5]), None, None, True, False),
+     "x [..., K] and dout [..., N] must have the same leading dims (x [3, 8] float32, "
+     "dout [4, 5] float32)"),
+    ("unsupported dtype", lambda: (paddle.ones([3, 8], "int32"), paddle.ones([3, 5], "int32"),
+                                   None, None, True, False),
+     "unsupported dtype int32; supported: float32, bfloat16, float16, float64 "
+     "(x [3, 8] int32, dout [3, 5] int32)"),
+    ("mixed dtypes", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]).astype("bfloat16"),
+                              None, None, True, False),
+     "x and dout must have the same dtype (x [3, 8] float32, dout [3, 5] bfloat16)"),
+    ("dweight shape", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([7, 5]),
+                               None, True, True),
+     "dweight must be [K, N] = [8, 5] (x [3, 8] float32, dout [3, 5] float32, "
+     "dweight [7, 5] float32 on Place(cpu))"),
+    ("dbias shape", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([8, 5]),
+                             paddle.zeros([4]), True, True),
+     "dbias must be [N] = [5] (x [3, 8] float32, dout [3, 5] float32, dweight [8, 5] float32 "
+     "on Place(cpu), dbias [4] float32 on Place(cpu))"),
+    # multi_precision: the accumulator is float32, never the input dtype
+    ("bf16 dweight with mp", lambda: (paddle.randn([3, 8]).astype("bfloat16"),
+                                      paddle.randn([3, 5]).astype("bfloat16"),
+                                      paddle.zeros([8, 5]).astype("bfloat16"), None, True, False),
+     "dweight must be float32 when multi_precision=True (x [3, 8] bfloat16, dout [3, 5] "
+     "bfloat16, dweight [8, 5] bfloat16 on Place(cpu))"),
+    ("bf16 dbias for fp16", lambda: (paddle.randn([3, 8]).astype("float16"),
+                                     paddle.randn([3, 5]).astype("float16"), None,
+                                     paddle.zeros([5]).astype("bfloat16"), False, True),
+     "dbias must be float16 or float32 (x [3, 8] float16, dout [3, 5] float16, "
+     "dbias [5] bfloat16 on Place(cpu))"),
+]
+
+
+@pytest.mark.parametrize("name,make,text", WHOLE, ids=[w[0] for w in WHOLE])
+def test_each_refusal_in_full(backend, name, make, text):
+    with pytest.raises(FusedLinearError) as e:
+        ops.fused_linear_param_grad_add(*make())
+    assert str(e.value) == "fused_linear_param_grad_add: " + text
+
+
+def test_dbias_is_no_operand_without_has_bias(backend):
+    """has_bias=False: dbias is neither checked nor written, whatever it is."""
+    x, dy, junk = paddle.ones([4, 3]), paddle.ones([4, 5]), paddle.zeros([7])
+    dw, db = ops.fused_linear_param_grad_add(x, dy, None, junk, True, False)
+    assert db is None and not junk.numpy().any()
+    np.testing.assert_array_equal(dw.numpy(), np.full([3, 5], 4.0))
+
+
+class _EnumDtype:
+    """A dtype as Paddle 2.6 hands it out: a new object per ``.dtype``, ``int()`` its enum
+    value, ``str()`` its name."""
+
+    def __init__(self, value, text):
+        self.value, self.text = value, text
+
+    def __int__(self):
+        return self.value
+
+    def __str__(self):
+        return self.text
+
+
+class _OtherEnumDtype(_EnumDtype):
+    """Another enum type (Paddle 2.6 has two, VarType and DataType), its values overlapping."""
+
+
+def test_dtype_name_of_each_kind_of_dtype(monkeypatch):
+    """``_inputs.dtype_name``: Paddle's dtype objects, strings, objects without an enum value
+    (numpy's dtypes) and Paddle 2.6's new objects per call, found by (type, value), not by
+    value alone; an id recycled for another object is not taken for that object's."""
+    monkeypatch.setattr(_inputs, "_BY_ENUM", {})
+    name = _inputs.dtype_name
+    assert [name(paddle.bfloat16), name("float16"), name("paddle.float16"),
+            name(np.dtype("float64"))] == ["bfloat16", "float16", "float16", "float64"]
+    fp32 = [_EnumDtype(5, "paddle.float32") for _ in range(2)]
+    assert [name(fp32[0]), name(fp32[1]), name(_OtherEnumDtype(5, "paddle.int8")),
+            name(_EnumDtype(6, "paddle.float16"))] == ["float32", "float32", "int8", "float16"]
+    fp64 = _EnumDtype(7, "paddle.float64")
+    monkeypatch.setitem(_inputs._BY_ID, id(fp64), (object(), "int32"))
+    assert name(fp64) == "float64"
+
+
+class _CountingDtype(_EnumDtype):
+    """An :class:`_EnumDtype` that counts the questions asked of it (on a real dtype object
+    each is a pybind call of microseconds)."""
+
+    def __init__(self, value, text):
+        super().__init__(value, text)
+        self.asked = 0
+
+    def __int__(self):
+        self.asked += 1
+        return self.value
+
+    def __str__(self):
+        self.asked += 1
+        return self.text
+
+
+def test_dtype_name_asks_each_dtype_at_most_once(monkeypatch):
+    """A dtype object Paddle hands out every time (3.x, and the ``paddle.float32`` objects) is
+    named from its entry by ``id()``, without a question to it; of one made anew per ``.dtype``
+    (2.6) only the enum value is asked, and the name of an enum value once."""
+    monkeypatch.setattr(_inputs, "_BY_ID", dict(_inputs._BY_ID))
+    monkeypatch.setattr(_inputs, "_BY_ENUM", {})
+    same = _CountingDtype(5, "paddle.float32")
+    assert _inputs._remember(same) == "float32"
+    same.asked = 0
+    assert [_inputs.dtype_name(same) for _ in range(3)] == ["float32"] * 3
+    assert same.asked == 0
+    fresh = [_CountingDtype(6, "paddle.float16") for _ in range(3)]
+    assert [_inputs.dtype_name(d) for d in fresh] == ["float16"] * 3
+    assert [d.asked for d in fresh] == [2, 1, 1]  # int() and str(), then int() only
+
+
 def _run_isolated(code, env_extra):
     env = dict(os.environ, **env_extra)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,

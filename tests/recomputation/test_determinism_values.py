@@ -160,6 +160,44 @@ def test_none_skips_the_shape_check_too():
     paddle.framework._dygraph_tracer()._has_grad = True
 
 
+def test_none_lets_a_recomputation_save_more_than_the_forward():
+    """``"none"``: a recomputation that saves tensors the forward did not is no error (nothing
+    of the extra ones is handed to backward), and the gradients are the forward's."""
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        h = paddle.tanh(x)
+        if len(calls) > 1:
+            paddle.tanh(h * 2.0)  # saved, and used by nothing
+        return h.sum()
+
+    x = paddle.randn([4])
+    x.stop_gradient = False
+    paddle_mgrad.recompute(fn, x, use_reentrant=False, determinism_check="none").backward()
+    np.testing.assert_allclose(x.grad.numpy(), 1 - np.tanh(x.numpy()) ** 2, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_values_check_names_the_first_three_tensors_that_differ():
+    """Four recomputed tensors with other values than the forward's: the error names three."""
+    scale = {"v": 1.0}
+
+    def fn(x):
+        h = x * scale["v"]
+        for _ in range(4):
+            h = paddle.tanh(h)  # each saves its output: all four differ in recomputation
+        scale["v"] += 1.0
+        return h.sum()
+
+    x = paddle.randn([4])
+    x.stop_gradient = False
+    y = paddle_mgrad.recompute(fn, x, use_reentrant=False, determinism_check="values")
+    with pytest.raises(RecomputeError) as e:
+        y.backward()
+    assert str(e.value).count("has different values") == 3, str(e.value)
+
+
 def test_fingerprints_only_for_recomputed_tensors_and_freed_with_frame(monkeypatch):
     frames = []
     orig_init = non_reentrant._Frame.__init__

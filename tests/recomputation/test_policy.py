@@ -13,6 +13,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import EnvError, linear, stats
+from paddle_mgrad.autograd import recomputing
 from paddle_mgrad.recomputation import policy as policy_mod
 
 MODES = ("reentrant", "non_reentrant")
@@ -256,3 +257,189 @@ def test_offload_keeps_the_reentrant_engine():
     snap = stats.snapshot()
     assert snap["policy"] == {} and snap["recompute"]["reentrant_as_non_reentrant"] == 0
     assert snap["recompute"]["reentrant"] == 1
+
+
+def test_a_callable_policy_is_asked_about_a_3d_input():
+    """A [batch, rows, D] input: the GEMM's K is the last dimension (not the second), in what
+    the policy is asked and in what the recomputation counts as not multiplied; a policy that
+    keeps only the last linear's output (after ones it did not keep) has its bytes counted."""
+    asked = []
+
+    def down_only(call):
+        asked.append(call)
+        return call.out_shape[-1] == D
+
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        net, _ = mlp_and_input()
+        h = net.pre(paddle.randn([2, ROWS, D]))
+        paddle_mgrad.recompute(net.block, h, use_reentrant=False,
+                               policy=down_only).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    assert [(c.x_shape, c.flops) for c in asked] == [((2, ROWS, D), 2 * 2 * ROWS * D * F)] * 2 + [
+        ((2, ROWS, F), 2 * 2 * ROWS * F * D)]
+    counters = stats.snapshot()["policy"]["down_only"]
+    assert counters == {"calls": 1, "kept_outputs": 1, "kept_bytes": 4 * 2 * ROWS * D,
+                        "replays": 1, "gemms_not_recomputed": 1,
+                        "gemm_flops_not_recomputed": 2 * 2 * ROWS * F * D,
+                        "sublayers_kept": 0, "sublayers_not_recomputed": 0}
+
+
+class _KeepEvery:
+    """A callable policy without a ``__name__`` (an object with ``__call__``)."""
+
+    def __call__(self, call):
+        return True
+
+
+def test_a_callable_policy_without_a_name_is_counted_as_callable():
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        net, x = mlp_and_input()
+        paddle_mgrad.recompute(net.block, net.pre(x), use_reentrant=False,
+                               policy=_KeepEvery()).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    assert list(stats.snapshot()["policy"]) == ["callable"]
+
+
+def test_a_kept_output_changed_after_the_block_and_needed_inside_it_is_recomputed():
+    """The block returns a linear's output that its own backward needs (``y * y``), and the
+    caller changes it in place after the block.  Without recompute Paddle refuses that
+    backward; a recomputation can still compute the gradient of what the block computed, and
+    under ``gemm`` it must do so from the recomputed ``y``, not from the changed one it kept:
+    the gradients equal full recompute's."""
+    def run(policy):
+        paddle_mgrad.enable(recompute=True, fused_linear=True)
+        try:
+            paddle.seed(3)
+            lin = paddle.nn.Linear(D, D)
+            x = paddle.randn([ROWS, D])
+            x.stop_gradient = False
+
+            def block(h):
+                y = lin(h)
+                return y, y * y
+
+            y, z = paddle_mgrad.recompute(block, x, use_reentrant=False, policy=policy)
+            y.scale_(3.0)
+            z.sum().backward()
+            return x.grad.numpy(), lin.weight.grad.numpy()
+        finally:
+            paddle_mgrad.disable()
+
+    full, gemm = run("full"), run("gemm")
+    for a, b in zip(gemm, full):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("diverges", ["one_more_linear", "fewer_rows", "another_weight"])
+@pytest.mark.parametrize("policy", ["full", "gemm"])
+def test_a_replay_that_diverges_from_its_forward_raises_recompute_error(policy, diverges):
+    """A block whose replay does not repeat its forward (a data-dependent branch): the
+    determinism check's RecomputeError, under ``gemm`` as under ``full`` -- a kept output is
+    handed back only to the call that made it, never to another linear or another input."""
+    calls = []
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(3)
+        lin, other = paddle.nn.Linear(D, D), paddle.nn.Linear(D, F)
+        extra = paddle.nn.Linear(D, D)
+
+        def block(h):
+            calls.append(1)
+            replay = len(calls) > 1
+            if replay and diverges == "fewer_rows":
+                h = h[:-1]
+            y = (other if replay and diverges == "another_weight" else lin)(h)
+            if replay and diverges == "one_more_linear":
+                y = y + extra(h)
+            return paddle.tanh(y).sum(-1, keepdim=True) * h  # (tanh saves its output)
+
+        x = paddle.randn([ROWS, D])
+        x.stop_gradient = False
+        out = paddle_mgrad.recompute(block, x, use_reentrant=False, policy=policy)
+        with pytest.raises(paddle_mgrad.RecomputeError, match="is not deterministic"):
+            out.sum().backward()
+    finally:
+        paddle_mgrad.disable()
+
+
+def test_kept_outputs_in_call_order():
+    """:class:`KeptOutputs` alone, as a block's forward and then its recomputation use it: the
+    forward offers each linear's output; ``forward_done`` drops the ones changed in place
+    since they were offered (not one changed before: an all-reduce inside the linear) and
+    counts the bytes of the rest; the recomputation that follows (no ``rewind`` before the
+    first) takes them in call order, and None where it must compute: not kept, changed after
+    the forward, another input or weight shape than the forward's, past the forward's calls."""
+    x = paddle.ones([2, ROWS, D])
+    w_in, w_out = paddle.ones([D, F]), paddle.ones([F, D])
+    not_kept, kept_y, changed_before, changed_during = (paddle.ones([2, ROWS, F]) for _ in range(4))
+    last = paddle.ones([2, ROWS, D])
+    changed_before.scale_(2.0)  # before it is offered
+    kept = recomputing.KeptOutputs(lambda x, weight, y: y is not not_kept)
+    for y in (not_kept, kept_y, changed_before, changed_during):
+        kept.add(x, w_in, y)
+    kept.add(kept_y, w_out, last)
+    changed_during.scale_(2.0)
+    kept.forward_done()
+    assert (kept.kept, kept.kept_bytes) == (3, 4 * 2 * ROWS * (F + F + D))
+
+    def replay(first_x=x):
+        return [kept.take(first_x, w_in), kept.take(x, w_in), kept.take(x, w_in),
+                kept.take(x, w_in), kept.take(kept_y, w_out), kept.take(x, w_in)]
+
+    taken = replay()
+    assert [t is None for t in taken] == [True, False, False, True, False, True]
+    for (t, stop_gradient), y in zip([taken[1], taken[2], taken[4]],
+                                     [kept_y, changed_before, last]):
+        assert t.data_ptr() == y.data_ptr() and stop_gradient == y.stop_gradient
+    gemm_flops = 2 * 2 * ROWS * F * D  # [2, ROWS, D] @ [D, F] and [2, ROWS, F] @ [F, D]
+    assert (kept.skipped, kept.skipped_flops) == (3, 3 * gemm_flops)
+    # a second replay from the start: after the output changed, with another input shape
+    kept.rewind()
+    last.scale_(2.0)
+    taken = replay(first_x=paddle.ones([2, ROWS - 1, D]))
+    assert [t is None for t in taken] == [True, False, False, True, True, True]
+    assert (kept.skipped, kept.skipped_flops) == (2, 2 * gemm_flops)
+    kept.rewind()
+    assert kept.take(x, w_out) is None  # the weight's shape differs from the forward's
+    assert kept.take(paddle.ones([2, ROWS, F]), w_in) is None  # the input's does
+
+
+@pytest.mark.parametrize("policy", ["gemm", "save:down"])
+def test_a_block_that_changes_its_input_keeps_nothing_for_its_policy(policy):
+    """A block that changes its argument in place is never recomputed (its activations are
+    kept from the forward): its policy keeps no output and no sublayer, and counts no bytes."""
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        net, x = mlp_and_input()
+
+        def block(h):
+            h.scale_(2.0)
+            return net.block(h)
+
+        paddle_mgrad.recompute(block, net.pre(x), use_reentrant=False,
+                               policy=policy).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    counters = stats.snapshot()["policy"][policy]
+    assert counters == {"calls": 1, "kept_outputs": 0, "kept_bytes": 0, "replays": 0,
+                        "gemms_not_recomputed": 0, "gemm_flops_not_recomputed": 0,
+                        "sublayers_kept": 0, "sublayers_not_recomputed": 0}
+    assert stats.snapshot()["recompute"]["kept_from_forward"] == 1
+
+
+def test_a_save_policy_is_made_once_per_name(monkeypatch):
+    """``save:<pattern>,...`` resolves to a policy that keeps no GEMM output and holds the
+    patterns, made once per name (a fresh cache here: the one of the process may be filled)."""
+    monkeypatch.setattr(policy_mod, "_SAVE", {})
+    made = policy_mod.resolve("save:mlp.down,*Norm")
+    assert made == policy_mod.Policy("save:mlp.down,*Norm", gemm=False,
+                                     patterns=("mlp.down", "*Norm"))
+    assert made.kept_outputs() is None
+    assert policy_mod.resolve("save:mlp.down,*Norm") is made
