@@ -172,6 +172,23 @@ def test_kept_bytes_are_the_saved_tensors_and_outputs_of_the_kept_sublayer():
     assert counters["sublayers_not_recomputed"] == 1
 
 
+def test_kept_bytes_of_a_sublayer_that_saves_several_tensors():
+    """``save:mlp``: gate's and up's linears save their input [ROWS, D] each, silu its input
+    and output [ROWS, F], the multiply both operands [ROWS, F], down its input [ROWS, F]; and the
+    output [ROWS, D]: 3 D + 5 F floats per row."""
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(11)
+        net = Decoder()
+        h = paddle.randn([ROWS, D])
+        h.stop_gradient = False
+        paddle_mgrad.recompute(net, h, use_reentrant=False, policy="save:mlp").sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    assert stats.snapshot()["policy"]["save:mlp"]["kept_bytes"] == 4 * ROWS * (3 * D + 5 * F)
+
+
 @pytest.mark.parametrize("how", ["layer", "bound_method", "closure", "partial", "argument",
                                  "list"])
 def test_the_blocks_layer_is_found_however_the_block_is_passed(monkeypatch, how):
@@ -324,9 +341,10 @@ def test_an_error_in_a_kept_sublayer_leaves_nothing_behind(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_backward_twice_and_paddle_grad(mode):
+def test_backward_twice_and_paddle_grad(monkeypatch, mode):
     """``paddle.grad`` replays the block (a copy of the graph), then ``backward`` replays it
-    again: each replay skips the kept sublayer and jumps the random state over it."""
+    again: each replay skips the kept sublayer (none runs attention again) and jumps the random
+    state over it."""
     stats.reset()
     x = paddle.randn([ROWS, D])
     x.stop_gradient = False
@@ -334,11 +352,15 @@ def test_backward_twice_and_paddle_grad(mode):
     try:
         paddle.seed(11)
         net = Decoder()
+        counting = _Counting(monkeypatch, net)
         out = paddle_mgrad.recompute(custom_forward(net), x * 1.0,
                                      use_reentrant=mode == "reentrant", policy="save:self_attn")
+        counting.calls.clear()
         (g1,) = paddle.grad([out.sum()], [x], retain_graph=True)
         (g2,) = paddle.grad([out.sum()], [x], retain_graph=True)
         out.sum().backward()
+        assert counting.calls.count("mlp") == 3 and "self_attn" not in counting.calls
+        monkeypatch.undo()
         paddle.seed(11)  # the same model without recompute (the same fused linear)
         plain = Decoder()
         xp = paddle.to_tensor(x.numpy())
