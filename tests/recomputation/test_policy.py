@@ -442,7 +442,7 @@ def test_a_block_that_changes_its_input_keeps_nothing_for_its_policy(policy):
 def test_a_save_policy_is_made_once_per_name(monkeypatch):
     """``save:<pattern>,...`` resolves to a policy that keeps no GEMM output and holds the
     patterns, made once per name (a fresh cache here: the one of the process may be filled)."""
-    monkeypatch.setattr(policy_mod, "_SAVE", {})
+    monkeypatch.setattr(policy_mod, "_NAMED", {})
     made = policy_mod.resolve("save:mlp.down,*Norm")
     assert made == policy_mod.Policy("save:mlp.down,*Norm", gemm=False,
                                      patterns=("mlp.down", "*Norm"))
