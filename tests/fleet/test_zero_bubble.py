@@ -322,6 +322,9 @@ def _case(name, rs):
 
 FALLBACKS = ["no_main_grad", "stop_gradient", "float64", "rank4", "bf16_main_grad",
              "wrong_shape_main_grad", "mismatched_rows", "mixed_dtypes"]
+#: the fallbacks plain Paddle itself refuses (with a ValueError): pinned, so that a comparison
+#: of two runs that both raise is the expected case and not a plain Paddle that broke
+PADDLE_REFUSES = {"wrong_shape_main_grad", "mismatched_rows", "mixed_dtypes"}
 
 
 @pytest.mark.parametrize("name", FALLBACKS)
@@ -342,6 +345,9 @@ def test_everything_else_is_paddles_own(name):
         assert stats.linear["zero_bubble"] == 0
     (got0, mg0, g0), (got1, mg1, g1) = out[False], out[True]
     assert got0 == got1
+    assert got0[0] == ("ValueError" if name in PADDLE_REFUSES else "ok"), got0
+    if name not in PADDLE_REFUSES:  # plain Paddle wrote a gradient somewhere
+        assert mg0 is not None or g0 is not None or name == "stop_gradient"
     assert (mg0 is None) == (mg1 is None) and (g0 is None) == (g1 is None)
     if mg0 is not None:
         assert mg0[0] == mg1[0]
