@@ -168,30 +168,18 @@ def _map(obj, fn):
 
 class _Region:
     """One call of a kept sublayer in the block's forward: the pack indices of the tensors its
-    ops saved (``start`` to ``end``), its outputs (``_Held`` leaves; None: replay it), and the
-    random state it left (None: the block does not preserve it)."""
+    ops saved (``start`` to ``end``), its outputs (``_Held`` leaves; None: replay it) with
+    ``held``, those leaves in order, and the random state it left (None: the block does not
+    preserve it)."""
 
-    __slots__ = ("layer", "start", "end", "outputs", "rng")
+    __slots__ = ("layer", "start", "end", "outputs", "held", "rng")
 
-    def __init__(self, layer, start, end, outputs, rng):
-        self.layer, self.start, self.end, self.outputs, self.rng = layer, start, end, outputs, rng
-
-    def held(self):
-        return [h for h in _leaves(self.outputs) if isinstance(h, _Held)]
+    def __init__(self, layer, start, end, outputs, held, rng):
+        self.layer, self.start, self.end, self.rng = layer, start, end, rng
+        self.outputs, self.held = outputs, held
 
     def unchanged(self) -> bool:
-        return all(h.tensor._inplace_version() == h.version for h in self.held())
-
-
-def _leaves(obj):
-    if isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _leaves(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _leaves(o)
-    else:
-        yield obj
+        return all(h.tensor._inplace_version() == h.version for h in self.held)
 
 
 class Sublayers:
@@ -238,9 +226,17 @@ class Sublayers:
         finally:
             self.depth -= 1
         changed_input = any(t._inplace_version() != v for t, v in zip(inputs, versions))
-        outputs = None if changed_input else _map(out, lambda o: _Held(o) if is_tensor(o) else o)
+        held: list = []
+
+        def hold(o):
+            if not is_tensor(o):
+                return o
+            held.append(_Held(o))
+            return held[-1]
+
+        outputs = None if changed_input else _map(out, hold)
         rng = None if frame.rng is None else _rng.capture()
-        self.regions.append(_Region(layer, start, len(frame.specs), outputs, rng))
+        self.regions.append(_Region(layer, start, len(frame.specs), outputs, held, rng))
         return out
 
     def _measured(self, frame, layer, forward, args, kwargs):
@@ -293,7 +289,7 @@ class Sublayers:
 
     def held_bytes(self) -> int:
         return sum(math.prod(h.tensor.shape) * h.tensor.element_size()
-                   for r in self.regions if r.outputs is not None for h in r.held())
+                   for r in self.regions if r.outputs is not None for h in r.held)
 
 
 # -- the wrappers ----------------------------------------------------------------
