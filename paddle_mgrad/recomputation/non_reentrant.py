@@ -67,6 +67,7 @@ from . import (
 from .tensors import (
     FINGERPRINT_FIELDS,
     buffer_sharing_tensor,
+    check_arguments_unchanged,
     describe,
     detached_view,
     fingerprint,
@@ -162,11 +163,7 @@ class _Frame:
             if holder.version is not None and holder.value._inplace_version() != holder.version:
                 self._raise_modified(holder)
             if id(holder.value) in self.arg_ids:  # (backward reads the argument itself)
-                try:
-                    self._check_arguments_unchanged()
-                except RecomputeError as e:
-                    _errors.record(e)  # Paddle's engine re-raises it as OSError
-                    raise
+                self._check_arguments_unchanged()
             if holder.for_op and holder.value is not None:
                 return buffer_sharing_tensor(holder.value)
             return holder.value
@@ -268,19 +265,8 @@ class _Frame:
 
     # -- backward ----------------------------------------------------------
     def _check_arguments_unchanged(self):
-        """Raise if a tensor argument was changed in place since the block was called: the
-        replay would start from the changed value and every gradient it feeds would be wrong,
-        silently (plain Paddle without recompute refuses the backward where the block saved
-        that argument; Paddle's own recompute computes with the changed value)."""
-        for k, (t, v) in enumerate(zip(iter_tensors((self.args, self.kwargs)),
-                                       self.arg_versions)):
-            if t._inplace_version() != v:
-                raise RecomputeError(
-                    f"recompute({function_name(self.function)}): its tensor argument #{k} "
-                    f"{describe(t)} has been modified by an inplace operation after the block "
-                    f"was called (inplace version {t._inplace_version()}, {v} at the call); "
-                    "recomputation would start from the changed value and the gradients would "
-                    "be wrong. Change a copy of it, or change it after backward.")
+        check_arguments_unchanged(self.function, iter_tensors((self.args, self.kwargs)),
+                                  self.arg_versions)
 
     def rerun(self):
         """Re-run the function; store a view of each recomputed tensor for its holder."""

@@ -29,6 +29,8 @@ not apply to such a call: its arguments are kept where they are.
 A block that changes one of its tensor arguments in place raises
 :class:`RecomputeError` when its forward returns: the re-run would start from the
 changed value (use ``use_reentrant=False``, which keeps such a block's activations).
+An argument changed in place *after* the block returned raises in backward, before
+the re-run, for the same reason (as the non-reentrant mode).
 
 An output that *is* one of the block's inputs (a block returning its residual)
 gets its gradient added to that input's in backward, not by back-propagating
@@ -54,6 +56,7 @@ from .tensors import (
     FINGERPRINT_FIELDS,
     any_needs_grad,
     buffer_sharing_tensor,
+    check_arguments_unchanged,
     detached_view,
     fingerprint,
     fingerprint_mismatch,
@@ -270,7 +273,11 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
             frozen += [t for t in tensors if t.stop_gradient]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
-        ctx.save_for_backward(*stash.pack(tensors))
+        saved = stash.pack(tensors)
+        # A saved input that still shares the caller's tensor (its version counter) must be
+        # unchanged when backward replays from it; a copy (offload, partition) cannot change.
+        ctx.versions = [t._inplace_version() for t in saved]
+        ctx.save_for_backward(*saved)
         # last: the block's own PyLayers (our fused linears) took their guards already
         autograd_passes.stash_guard(
             ctx, f"recompute({function_name(run_function)}, use_reentrant=True)", _reuse_error)
@@ -278,7 +285,9 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        saved = ctx.stash.unpack(list(ctx.saved_tensor() or ()))
+        saved = list(ctx.saved_tensor() or ())
+        check_arguments_unchanged(ctx.run_function, saved, ctx.versions)
+        saved = ctx.stash.unpack(saved)
         detached = [detached_view(t) for t in saved]
         run_args = [_decode(e, detached) for e in ctx.layout]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._compat import core, is_tensor, paddle
+from ..autograd import backward_errors as _errors
+from ..errors import RecomputeError
 
 
 def describe(t) -> str:
@@ -33,6 +35,25 @@ def iter_tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from iter_tensors(o)
+
+
+def check_arguments_unchanged(function, tensors, versions):
+    """Raise :class:`RecomputeError` if one of ``tensors`` (a block's tensor arguments, as
+    kept for its replay) was changed in place since ``versions`` were read at the call:
+    the replay would start from the changed value and every gradient it feeds would be
+    wrong, silently (plain Paddle without recompute refuses the backward where the block
+    saved that argument; Paddle's own recompute, in both modes, computes with the changed
+    value).  The error is recorded so that it keeps its type through Paddle's engine."""
+    for k, (t, v) in enumerate(zip(tensors, versions)):
+        if t._inplace_version() != v:
+            err = RecomputeError(
+                f"recompute({function_name(function)}): its tensor argument #{k} "
+                f"{describe(t)} has been modified by an inplace operation after the block "
+                f"was called (inplace version {t._inplace_version()}, {v} at the call); "
+                "recomputation would start from the changed value and the gradients would "
+                "be wrong. Change a copy of it, or change it after backward.")
+            _errors.record(err)  # Paddle's engine re-raises it as OSError
+            raise err
 
 
 def any_needs_grad(obj) -> bool:
