@@ -30,9 +30,8 @@ from paddle_mgrad.trainer import MgradArguments, apply
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from tokens_per_second import tokens_per_second_callback  # noqa: E402
-
 from data import BlockDataset, ByteTokenizer  # noqa: E402
+from tokens_per_second import tokens_per_second_callback  # noqa: E402
 
 
 @dataclass
