@@ -22,6 +22,12 @@ README_MAX_LINES = 200
 
 
 def pages():
+    """Every page a user reads: the README, the changelog and docs/*.md."""
+    return [os.path.join(ROOT, "CHANGELOG.md")] + current_pages()
+
+
+def current_pages():
+    """The pages that describe this checkout (the changelog is history: it may name what is gone)."""
     out = [os.path.join(ROOT, "README.md")]
     out += sorted(os.path.join(DOCS, n) for n in os.listdir(DOCS) if n.endswith(".md"))
     return out
@@ -181,7 +187,7 @@ def named_files(path):
             yield span, m.group(1), m.group(2)
 
 
-@pytest.mark.parametrize("path", pages(), ids=lambda p: os.path.relpath(p, ROOT))
+@pytest.mark.parametrize("path", current_pages(), ids=lambda p: os.path.relpath(p, ROOT))
 def test_every_file_the_docs_name_exists(path):
     """A file, test module or ``file.py::test_name`` in a code span exists in the checkout."""
     files, bad = set(tracked_files()), []
@@ -205,7 +211,7 @@ def commands(path):
             yield m.group(1), re.findall(r"(?<![\w-])--[\w-]+", m.group(2))
 
 
-@pytest.mark.parametrize("path", pages(), ids=lambda p: os.path.relpath(p, ROOT))
+@pytest.mark.parametrize("path", current_pages(), ids=lambda p: os.path.relpath(p, ROOT))
 def test_every_script_option_the_docs_name_exists(path):
     """``python benchmarks/bench_wgrad.py --no-native``: each option a doc passes to one of our
     scripts is defined by it (or a module of its folder that it takes options from)."""
@@ -230,7 +236,7 @@ def nox_sessions():
 def test_every_nox_session_the_docs_name_exists():
     sessions = nox_sessions()
     assert {"tests", "demo", "lint", "mutants"} <= sessions, sessions
-    bad = [f"{os.path.relpath(p, ROOT)}: nox -s {s}" for p in pages()
+    bad = [f"{os.path.relpath(p, ROOT)}: nox -s {s}" for p in current_pages()
            for s in re.findall(r"nox -s (\w+)", read(p)) if s not in sessions]
     assert not bad, "no such nox session:\n" + "\n".join(bad)
 
@@ -246,7 +252,7 @@ def test_every_variable_the_docs_name_exists():
     code = "".join(read(os.path.join(ROOT, f)) for f in tracked_files()
                    if f.endswith((".py", ".cc", ".h", ".cu")) or f == ".ci/run")
     bad = []
-    for p in pages():
+    for p in current_pages():
         for name in set(re.findall(r"PADDLE_MGRAD(?:_[A-Z0-9]+)*\b", read(p))):
             if name not in knobs | PLACEHOLDER_VARIABLES and not re.search(rf"\b{name}\b", code):
                 bad.append(f"{os.path.relpath(p, ROOT)}: {name}")
@@ -275,3 +281,50 @@ def test_the_mutation_table_names_functions_that_exist():
         if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in scope):
             bad.append(f"{module}.{function}: no such function in {modules[module]}")
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------ the docs describe the present
+#: projects whose own issue numbers the docs may cite (facts about the outside world)
+UPSTREAM = {"Paddle", "PaddlePaddle", "PaddleNLP", "PaddleFormers", "pytest-xdist", "mutmut", "Megatron",
+            "TransformerEngine", "NVIDIA", "CUDALibrarySamples"}
+
+#: how a lab notebook reads: history belongs in CHANGELOG.md
+HISTORY = [
+    (r"\b([\w.-]+ )?[Ii]ssues? #?\d+", "an issue number"),
+    (r"\(items? \d+|\bitems? \d+\b|\bitem by item\b", "an item number"),
+    (r"\b(?:first|second|third|fourth|fifth|sixth|previous|next|this|that) round\b|\bround \d+\b", "a round"),
+    (r"\bthe same (?:morning|afternoon|evening|day)\b", "a time of day"),
+    (r"\bstop \d+\b", "a stop number"),
+    (r"\b(?:commit|clone of|tree) `?[0-9a-f]{7,40}\b", "a commit hash"),
+]
+
+
+def history_in(text):
+    """(what, line) for each lab-notebook phrase in the text."""
+    found = []
+    for line in text.splitlines():
+        for pattern, what in HISTORY:
+            for m in re.finditer(pattern, line):
+                project = (m.group(1) or "").strip() if what == "an issue number" else ""
+                if project not in UPSTREAM:
+                    found.append((what, line.strip()))
+    return found
+
+
+def test_history_detector_tells_history_from_the_present():
+    assert history_in("the fourth round of issue 23 (item 3), commit `799f9e9`") == [
+        ("an issue number", "the fourth round of issue 23 (item 3), commit `799f9e9`"),
+        ("an item number", "the fourth round of issue 23 (item 3), commit `799f9e9`"),
+        ("a round", "the fourth round of issue 23 (item 3), commit `799f9e9`"),
+        ("a commit hash", "the fourth round of issue 23 (item 3), commit `799f9e9`")]
+    assert history_in("pytest-xdist issue 1386; Paddle issue #70508; best of 7 interleaved rounds, "
+                      "`--rounds 10`, round by round") == []
+
+
+@pytest.mark.parametrize("path", current_pages(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_docs_state_what_is_true_now(path):
+    """README.md and docs/*.md say what the code does and what was measured, in the present:
+    issue and item numbers, rounds and commit hashes go to CHANGELOG.md."""
+    found = history_in(read(path))
+    assert not found, "history in a page that describes the present (move it to CHANGELOG.md):\n" + \
+        "\n".join(f"{what}: {line}" for what, line in found)
