@@ -108,8 +108,9 @@ def test_readme_is_short():
 def test_readme_keeps_the_two_commands():
     """.ci/run calls the README's test command; both stay in the README."""
     text = read(os.path.join(ROOT, "README.md"))
-    assert "pip install nox && nox -s demo" in text and "pip install nox && nox -s tests" in text
-    assert "pip install nox && nox -s tests" in read(os.path.join(ROOT, ".ci", "run"))
+    for session in ("demo", "tests"):
+        assert re.search(rf"^pip install nox && nox -s {session}$", text, re.M), session
+    assert re.search(r"pip install nox && nox -s tests(?![\w-])", read(os.path.join(ROOT, ".ci", "run")))
 
 
 def _gen_environment():
