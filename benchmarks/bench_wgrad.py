@@ -19,7 +19,7 @@ measured in the same run:
   kernel), the weight gradient cast down to the bf16 parameter's dtype (the ``cast`` op's
   backward), then cast up and ``add_`` into the fp32 ``main_grad`` (MixPrecisionLayer's hook).
 
-Targets (issue 10): bf16 throughput >= 0.85x fp32 without native bf16, >= 1.8x with
+Targets: bf16 throughput >= 0.85x fp32 without native bf16, >= 1.8x with
 it; ``ours fp32`` time <= 1.1x the fastest plain sgemm.  ``--fp64`` adds float64 (our
 blocked DGEMM) against numpy's dgemm.
 

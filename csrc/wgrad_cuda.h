@@ -47,7 +47,7 @@ struct CudaReport {
   const char* workspace_from = "none";  // "caller", "allocator", "stream-ordered" or "none"
   bool algo_cached = false;     // the algorithm came from the cache
   bool workspace_retry = false; // the scratch could not be had: planned again without
-                                // cuBLASLt workspace (issue 27, item 3)
+                                // cuBLASLt workspace (memory pressure)
   // One line, e.g.
   // "cap=90 bias=epilogue align=256,2,256,256 workspace=1024@caller cached=1 ws_retry=0".
   std::string text() const {

@@ -69,7 +69,7 @@ std::string capability_name(int cap);
 // V100 -- not even the bias-free GEMM.  "" or the message (before any write).
 std::string check_library_support(int cap, int cuda_major, bool simulated);
 
-// ---- the epilogue after the heuristic (issue 27, item 1)
+// ---- the epilogue after the heuristic
 //
 // One of cuBLASLt's heuristic results, as far as the choice needs it (cublasLtMatmulAlgo
 // config attributes ALGO_ID, TILE_ID, STAGES_ID, SPLITK_NUM; the result's wavesCount: "1.0f
@@ -95,7 +95,7 @@ struct EpilogueDecision {
 EpilogueDecision decide_epilogue(BiasMode mode, const GemmCandidate& epi, const std::string& epi_why,
                                  const GemmCandidate& plain);
 
-// ---- the bias kernel (issue 27, item 2)
+// ---- the bias kernel
 //
 // db[n] = beta * db[n] + sum_m dY[m, n], deterministic, in two launches:
 //   pass 1, grid (col_blocks, splits), block (threads_x, threads_y): block (bx, s) sums the rows
@@ -163,7 +163,7 @@ struct WorkspacePlan {
 };
 WorkspacePlan plan_workspace(const WgradArgs& a, BiasPath path, size_t gemm_workspace, int sms);
 
-// ---- memory pressure (item 3)
+// ---- memory pressure
 // The most workspace cuBLASLt is offered (H100-class GEMMs want up to 32 MiB).
 constexpr uint64_t kMaxGemmWorkspace = 32ull << 20;
 // One call's plan: the bias path, the GEMM's workspace and the scratch layout.
@@ -205,7 +205,7 @@ std::string plan_and_allocate(Plan&& plan, Alloc&& alloc, CallPlan* out, char** 
          tail;
 }
 
-// ---- the C ABI's extra checks (item 4)
+// ---- the C ABI's extra checks
 // Without rows (M = 0) dW = beta * dW needs a scale the core does not have: only beta 0 (clear)
 // and 1 (keep) are accepted.  "" or the message.
 std::string check_rowless_beta(const WgradArgs& a);
@@ -222,7 +222,7 @@ std::string check_pointer_places(const PointerPlace* p, int n, int device, int s
 // The text for a CUDA error that was pending before the call (someone else's earlier work).
 std::string pending_error_message(const std::string& error_name, const std::string& error_text);
 
-// ---- the algorithm cache (item 5)
+// ---- the algorithm cache
 // The heuristic is asked for M rounded up to a bucket (8 per power of two, <= 12.5 % more rows,
 // exact below 64): MoE experts and variable-length batches share one query per bucket.  The
 // matmul itself always runs with the real M.

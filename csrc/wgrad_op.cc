@@ -312,8 +312,8 @@ std::vector<paddle::Tensor> FusedWgrad(const paddle::Tensor& x, const paddle::Te
 }
 
 // The whole ordinary backward of y = x . W (+ b) for float32 / float64 CPU tensors in one call
-// (issue 23: in a model's step each dispatch into Paddle from Python costs the host ~10 us, as
-// much as a small layer's GEMMs), the fast entry's linear_bwd (wgrad_pyentry.cc):
+// (in a model's step each dispatch into Paddle from Python costs the host ~10 us, as much as a
+// small layer's GEMMs), the fast entry's linear_bwd (wgrad_pyentry.cc):
 //
 //   FusedLinearBwd(x, dout, weight, dweight?, dbias?, has_bias) -> {dx, dweight_out, dbias_out}
 //

@@ -31,7 +31,7 @@
 //
 // Why: in a model's step every call from Python into Paddle costs the host about a
 // microsecond, and a custom op's dispatch (_run_custom_op: attribute parsing, AMP and
-// contiguity handling, output wrapping) about 6-7 us more than Paddle's own operators (issue 23).
+// contiguity handling, output wrapping) about 6-7 us more than Paddle's own operators.
 //
 // Paddle side: paddle/utils/pybind.h (Paddle 2.6 and 3.x) publishes the Python tensor's
 // accessors used here -- PyCheckTensor, CastPyArg2Tensor, ToPyObject -- but including it pulls

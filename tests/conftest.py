@@ -47,7 +47,7 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
-# ------------------------------------------------------------------ pytest-xdist (issue 26)
+# ------------------------------------------------------------------ pytest-xdist
 # ``nox -s tests`` runs the suite on both cores (``-n 2``).  Each worker is a separate process
 # with its own op cache, its own basetemp (pytest-of-<user>/pytest-N/popen-gwK) and OS-assigned
 # ports; nothing a test writes is shared between workers.  The op the suite runs on is built

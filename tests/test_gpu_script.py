@@ -221,7 +221,7 @@ def test_cpu_library_carries_the_decisions_and_no_cuda(cpu_core_library):
         core.lib.pmg_wgrad_cuda_ex  # noqa: B018  (the CUDA entry points exist only with CUDA)
 
 
-def test_bias_path_shapes_are_the_ones_issue_27_is_about():
+def test_bias_path_shapes_are_where_the_bias_path_matters():
     """LoRA-narrow N, a LoRA K, MoE experts (small M*N) and a large M -- each small K*N against M,
     where cuBLASLt splits K -- timed per bias path in the same run as the four main shapes."""
     shapes = dict(gpu.BIAS_PATH_SHAPES)
@@ -244,7 +244,7 @@ def test_the_table_shows_the_bias_path_rows():
 
 
 def test_the_script_is_a_small_package_of_modules():
-    """issue 25: the 1.1k-line script is split by concern; the command line stays the script's."""
+    """The script is split by concern into modules; the command line stays the script's."""
     pkg = os.path.join(os.path.dirname(PATH), "pmg_gpu_bench")
     names = sorted(f for f in os.listdir(pkg) if f.endswith(".py"))
     assert names == ["__init__.py", "build.py", "capi.py", "checks.py", "report.py", "sanitizer.py",

@@ -1,4 +1,4 @@
-"""The host-cost fast paths (issue 23) never change a result or an error.
+"""The host-cost fast paths never change a result or an error.
 
 * :func:`paddle_mgrad.ops._inputs.dtype_name` -- a process-wide name lookup by object identity
   (Paddle 3.x) or ``(type, enum value)`` (Paddle 2.6), in place of ``str()``/``==``/hash on

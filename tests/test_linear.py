@@ -387,7 +387,7 @@ def test_grad_accumulator_dtype_rule(x_dtype, grad_dtype, in_place):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-# --------------------------------------------------------------- issue 15 / 19 linear items
+# --------------------------------------------------------------- AMP O1, fp64 main_grad, shared weights
 def _autocast_fake(orig):
     """Paddle's linear as ``auto_cast`` O1 runs it, with another product dtype: CPU Paddle has
     no bf16/fp16 matmul kernel, so the product runs in float64 for float32 x/weight (the

@@ -7,7 +7,7 @@ The cases are Paddle's own unit-test patterns for ``F.linear`` / ``nn.Linear``
 (``test_linear.py``: 3-D input, frozen parameters, ``TestLinearAPI_ZeroSize``) plus
 the inputs Paddle's dispatcher takes or refuses (numpy, tuples, 1-D, broadcast
 biases, dtype mixes), and Paddle 2.6's ``recompute_sequential``, which hands the
-whole argument tuple to the first layer of the last segment (issue 10, bug 2).
+whole argument tuple to the first layer of the last segment.
 """
 import numpy as np
 import paddle

@@ -101,11 +101,11 @@ class NodeGuard:
         None.
 
         Paddle's ``grad_fn`` getter keeps the node it wraps alive for good (measured: ~8 KiB
-        per call on 2.6.2 and 3.3.1), so a forward that asked it leaked one node per fused
-        linear per step (issue 23).  Only ``paddle.grad`` passes need the address; so a
-        forward asks for it only once the process has run a ``paddle.grad`` (the address is
-        then known however the graph evolves: the behaviour, and the leak, of before), and
-        otherwise the pass finds it here, or by the node's edges (:meth:`FunctionalPass.slots`)."""
+        per call on 2.6.2 and 3.3.1), so a forward that asked it would leak one node per fused
+        linear per step.  Only ``paddle.grad`` passes need the address; so a forward asks for
+        it only once the process has run a ``paddle.grad`` (the address is then known however
+        the graph evolves, at the price of that leak), and otherwise the pass finds it here, or
+        by the node's edges (:meth:`FunctionalPass.slots`)."""
         if self._ptr is None and self.out is not None:
             t = self.out()
             if t is not None:

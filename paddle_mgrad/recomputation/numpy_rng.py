@@ -4,7 +4,7 @@ Recompute replays numpy's global generator (``np.random``) as Paddle 3.x does: i
 the block's forward, applied around the recomputation, the current one put back after.
 ``np.random.get_state()`` and ``set_state()`` cost ~30 µs each (numpy copies the MT19937 key
 one word at a time in interpreted code), four calls per recomputed block: ~130 µs, a quarter
-of a small block's host cost (issue 23) -- and Paddle's own recompute pays the same.
+of a small block's host cost -- and Paddle's own recompute pays the same.
 
 The global generator's state has two parts:
 

@@ -105,7 +105,8 @@ def _sample_weights(n, place):
     if w is None:
         # fixed pseudo-random weights in [1, 2): with the weights 1..n, two different 0/1
         # tensors with equal counts and equal position sums (a dropout mask {1, 4} and
-        # {2, 3}) had equal fingerprints -- common on small masks (issue 24's fuzzer)
+        # {2, 3}) would have equal fingerprints -- common on small masks (the recompute
+        # fuzzer found it)
         rs = np.random.RandomState(0x5EED + n)
         w = _weights[key] = paddle.to_tensor(rs.uniform(1.0, 2.0, n).astype("float32"),
                                              place=place)

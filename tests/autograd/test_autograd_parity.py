@@ -1,5 +1,5 @@
-"""Autograd through the fused linear exactly as plain Paddle (issue 19 items 1-2, issue 15
-crash 3): ``paddle.grad`` (with and without ``create_graph``, wrt inputs, parameters, hidden
+"""Autograd through the fused linear exactly as plain Paddle: ``paddle.grad`` (with and
+without ``create_graph``, wrt inputs, parameters, hidden
 tensors or several), double backward (a WGAN-GP gradient penalty), parameter hooks in every
 ``main_grad`` mode, and a second backward through a fused linear.
 

@@ -1,7 +1,7 @@
 """The registry of nodes an ordinary backward already ran (``autograd.passes._consumed``).
 
 Every backward of a fused linear records its node there (a weak reference to the node's guard,
-no callback: issue 23 took the per-node callback out of the hot path).  Entries of dead guards
+no callback: a per-node callback would cost the hot path).  Entries of dead guards
 are purged in bulk when the registry has doubled.  What must hold: the registry stays bounded
 over a training loop, and a consumed node that is still alive (a retained graph) is still
 caught after any number of purges -- by ``paddle.grad`` before Paddle copies the graph, and by

@@ -1,5 +1,5 @@
 """Building the op: JIT cache reuse, cache key, ahead-of-time build into the package, and the
-faults a build cache meets (issue 15): truncated/empty/random libraries, a build killed
+faults a build cache meets: truncated/empty/random libraries, a build killed
 half-way, read-only and oddly named caches.
 
 Real compiles are few (each ~10-60 s): the cache-reuse test, the empty-library heal, the killed

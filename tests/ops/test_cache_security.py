@@ -1,4 +1,4 @@
-"""The op cache is no door into the process (issue 20): what paddle_mgrad loads and writes.
+"""The op cache is no door into the process: what paddle_mgrad loads and writes.
 
 Attack tried as another user on the same machine would: a complete cache in a directory others
 can write, its library replaced by one whose constructor writes a marker file, the completion

@@ -1,6 +1,6 @@
 """The op library's Python fast entry (``csrc/wgrad_pyentry.cc``, :func:`paddle_mgrad.ops.cpu_entry`,
 ``ops.fast_route``): the op's kernels and the linear's routing questions without Paddle's
-custom-op dispatch (issue 23).
+custom-op dispatch (it costs the host more than the kernels at small shapes).
 
 * ``linear_bwd`` -- a float32/float64 CPU linear's whole backward: dx = dout . W^T (Paddle's
   matmul kernel: equal to ``paddle.matmul`` bit for bit) and the weight/bias gradients

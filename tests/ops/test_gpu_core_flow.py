@@ -1,5 +1,5 @@
 """The CUDA core's steps (csrc/wgrad_cuda_flow.h) and decisions (csrc/wgrad_gpu_plan.cc) on a fake
-GPU, through the shipped module's C ABI, without a GPU (issue 27): the epilogue against the plain
+GPU, through the shipped module's C ABI, without a GPU: the epilogue against the plain
 GEMM's best algorithm, the bias kernel's grid and its exact order of additions (a CPU reference),
 re-planning without cuBLASLt workspace under memory pressure, the C ABI's own checks (M = 0
 betas, someone else's pending CUDA error, pointers and stream on the call's device), the
@@ -46,7 +46,7 @@ def launch(steps):
     return [s for s in steps if s.startswith("launch(")]
 
 
-# ------------------------------------------------------------------ item 1: epilogue or not
+# ------------------------------------------------------------------ epilogue or not
 def test_epilogue_when_its_algorithm_is_the_plain_gemms_best(capi):
     rc, steps, rep, err = core(capi, gemm_workspace=4096)
     assert rc == 0, err
@@ -102,7 +102,7 @@ def test_bias_free_and_rowless_calls_ask_only_what_they_need(capi):
     assert launch(steps) == ["launch(bias=kernel,gemm_ws=0,splitk=0,splits=0)"]
 
 
-# ------------------------------------------------------------------ item 3: memory pressure
+# ------------------------------------------------------------------ memory pressure
 def test_memory_pressure_replans_without_gemm_workspace(capi):
     big = workspace(capi, 1, 4096, 64, 64, 1 << 20)
     small = workspace(capi, 1, 4096, 64, 64, 0)
@@ -128,7 +128,7 @@ def test_memory_pressure_failures_name_both_attempts_and_touch_nothing(capi):
     assert err.startswith("could not allocate") and len([s for s in steps if "alloc" in s]) == 1
 
 
-# ------------------------------------------------------------------ item 4: the C ABI's checks
+# ------------------------------------------------------------------ the C ABI's checks
 def test_rowless_call_accepts_only_beta_0_or_1(capi):
     for beta in (0.0, 1.0):
         rc, steps, _, err = core(capi, M=0, beta=beta)
@@ -167,7 +167,7 @@ def test_unread_pointers_are_not_checked_and_the_stream_is(capi):
 
 
 def test_cuda_13_build_refuses_volta_even_without_bias(capi):
-    """docs/gpu.md (item 6): CUDA 13's cuBLASLt has no sm_70 kernels: a clear error before
+    """docs/gpu.md, "Which GPUs the build targets": CUDA 13's cuBLASLt has no sm_70 kernels: a clear error before
     anything, with or without a bias; a CUDA 12 build runs the bias-free GEMM there."""
     for has_db in (True, False):
         rc, steps, _, err = core(capi, capability=70, has_db=has_db)
@@ -182,7 +182,7 @@ def test_cuda_13_build_refuses_volta_even_without_bias(capi):
     assert rc == 1 and "sm_70 (simulated)" in err
 
 
-# ------------------------------------------------------------------ item 5: cache and buckets
+# ------------------------------------------------------------------ cache and buckets
 def test_heuristic_is_asked_for_bucketed_rows_only(capi):
     rows = capi.lib.pmg_heuristic_rows
     assert [rows(m) for m in (0, 1, 7, 63, 64)] == [0, 1, 7, 63, 64]  # small: exact
@@ -208,7 +208,7 @@ def test_algorithm_cache_is_bounded_and_shared_by_a_bucket(capi):
     assert out[1] == 16 and out[2] == out[0] - 16  # bounded: least recently used evicted
 
 
-# ------------------------------------------------------------------ item 2: the bias kernel
+# ------------------------------------------------------------------ the bias kernel
 def bias_plan(capi, M, N, in_dtype="bfloat16", address=BASE, sms=132):
     out = (ctypes.c_int64 * 6)()
     capi.lib.pmg_plan_bias_kernel(M, N, DT[in_dtype], address, sms, out)

@@ -320,7 +320,7 @@ def test_gpu_tier_paddle_fused_skips_accumulators_it_does_not_take(fake_gpu):
 def test_gpu_tier_is_decided_once_not_per_call(fake_gpu, monkeypatch):
     """The tier for GPU tensors (Paddle's fused op, our CUDA op, the reference) comes from the
     state load() settled: no call asks Paddle's kernel registry, is_compiled_with_cuda or the
-    build again (each of those is a slow query; issue 23)."""
+    build again (each of those is a slow query, and the host cost is per call)."""
     ops.load()
     for state, want_fake in (("paddle-fused", True), ("python", False)):
         ops._state["gpu"] = state
@@ -369,7 +369,7 @@ def test_backend_strings_keep_their_old_meaning():
     assert s.startswith("cpp-") and "+cuda" not in s and s == "cpp-portable;gpu=paddle-fused"
 
 
-# ------------------------------------------------------------------ build targets (item 3)
+# ------------------------------------------------------------------ build targets
 def test_build_targets_add_the_running_gpus_capability_when_not_covered():
     assert bc.cuda_targets() == bc.DEFAULT_TARGETS == ("sm_80", "sm_90", "compute_90")
     sup = frozenset({"sm_75", "sm_80", "sm_86", "sm_90", "sm_100"})
@@ -597,7 +597,7 @@ def _plan_request(capi, path, M, K, N, gemm_ws, sms=132):
 
 
 def test_fake_scratch_follows_the_path_chosen_after_the_heuristic(capi):
-    """issue 27 item 7: the fake sizes scratch from the core's final plan -- the chosen
+    """The fake GPU sizes scratch from the core's final plan -- the chosen
     algorithm's GEMM workspace plus the epilogue's buffer, or, when the heuristic's plain GEMM
     splits K, the bias kernel's partial sums -- not from the first bias choice."""
     M, K, N = 4096, 64, 64
@@ -639,7 +639,7 @@ def test_exception_inside_the_device_guard_restores_the_device(capi, bit, where)
     assert not [s for s in steps if s.startswith(("launch", "workspace("))]
 
 
-# ------------------------------------------------------------------ overlap linears (item 6)
+# ------------------------------------------------------------------ overlap linears
 @pytest.fixture
 def overlap_aid(monkeypatch):
     from paddle_mgrad.fleet import collective_overlap as co

@@ -154,8 +154,8 @@ def _matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias, mult
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_bias_sums_of_a_large_dout_on_threads(dtype):
     """A dY of several 512-column tiles and at least 2^22 elements sums its columns on OpenMP
-    threads (smaller ones on the calling thread: a region waits for MKL's spinning threads,
-    issue 23); both against float64."""
+    threads (smaller ones on the calling thread: a region waits for MKL's spinning threads);
+    both against float64."""
     rs = np.random.RandomState(5)
     M, N = 4100, 1030  # 3 tiles, 4.2M elements: the threaded branch
     x = _t(rs.standard_normal([M, 3]), dtype)
@@ -478,7 +478,7 @@ def test_failed_build_falls_back_with_one_warning(tmp_path):
     assert re.search(r"BACKEND python(;gpu=\S+)? WARNINGS 1 ", r.stdout) and "OK" in r.stdout, r.stdout
 
 
-# ---------------------------------------------------------------- zero-size (issue 10.1)
+# ---------------------------------------------------------------- zero-size
 ZERO_SHAPES = [(3, 2, 0), (4, 0, 3), (0, 2, 3), (2, 0, 0), (0, 0, 0), (0, 5, 0)]  # (M, K, N)
 
 
@@ -572,7 +572,7 @@ def test_fused_linear_zero_size_matches_paddle(xs, ws, with_bias):
     np.testing.assert_allclose(mg[2], want[2], rtol=1e-6, atol=1e-6)
 
 
-# ---------------------------------------------------------------- float64 (issue 10.3)
+# ---------------------------------------------------------------- float64
 @pytest.mark.parametrize("M,K,N", [(300, 200, 1030), (257, 97, 9), (1, 7, 1), (5, 1, 2049)])
 @pytest.mark.parametrize("given", [False, True])
 def test_float64_across_gemm_blocks(M, K, N, given):
@@ -903,9 +903,9 @@ CHUNK_ROWS_PROBE = """
 @pytest.mark.parametrize("value", ["99999999999999999999", "9223372036854775807",
                                    "4611686018427387904"])
 def test_chunk_rows_near_2_63_does_not_kill_the_process(value):
-    """Crash probe (issue 15): values near 2^63 overflowed the widen path's chunk count to 0 and
-    the division by it raised SIGFPE.  In a subprocess: no signal, a clear error from both the raw
-    op and the wrapper."""
+    """Crash probe: values near 2^63 would overflow the widen path's chunk count to 0, and the
+    division by it would raise SIGFPE.  In a subprocess: no signal, a clear error from both the
+    raw op and the wrapper."""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(CHUNK_ROWS_PROBE), value],
                        capture_output=True, text=True, timeout=600,
                        env={k: v for k, v in os.environ.items()
@@ -1385,7 +1385,7 @@ def test_zero_size_never_reaches_paddles_gpu_kernel(fake_paddle_fused_gpu, M, K,
     assert fake_paddle_fused_gpu == [[[2, 3], [2, 4]]]
 
 
-# ---------------------------------------------------------------- threads (kept from issue 15)
+# ---------------------------------------------------------------- threads
 def test_four_threads_calling_the_op_get_right_answers():
     """4 Python threads, each its own inputs and accumulators, every dtype and bf16 path
     (per-thread workspaces in the C++ op): every result equals float64."""

@@ -249,7 +249,7 @@ def test_fingerprint_sees_permutations_and_small_changes():
     assert fingerprint(paddle.zeros([0, 4])).numpy().tolist() == [0.0] * 4
 
 
-# -------------------------------------------------- non-finite and huge values (issue 15)
+# -------------------------------------------------- non-finite and huge values
 INF = float("inf")
 
 
@@ -340,9 +340,9 @@ def test_fingerprint_mismatch_rules_for_non_finite_fields():
 
 
 def test_fingerprint_tells_small_dropout_masks_apart():
-    """Issue 24's fuzzer: with position weights 1..n, two 0/1 masks with the same count and
-    the same position sum ({1, 4} and {2, 3} of 8) had equal fingerprints, so a dropout
-    replayed without its RNG state passed the values check with other gradients."""
+    """Found by the recompute fuzzer: with position weights 1..n, two 0/1 masks with the same
+    count and the same position sum ({1, 4} and {2, 3} of 8) would have equal fingerprints, so a
+    dropout replayed without its RNG state would pass the values check with other gradients."""
     a = np.zeros([2, 4], dtype="float32")
     b = a.copy()
     a.reshape(-1)[[1, 4]] = 1

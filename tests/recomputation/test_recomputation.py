@@ -757,7 +757,7 @@ def test_plain_paddle_reentrant_recompute_crashes_on_a_second_backward():
     assert r.returncode != 0 and "RESULT " not in r.stdout, (r.returncode, r.stdout[-2000:])
 
 
-# ------------------------------- issue 24: inputs needing no grad, outputs that are inputs
+# -------------------------------------------- inputs needing no grad, outputs that are inputs
 def _frozen_input_run(mode, impl, mix, fused, micro=2, frozen=()):
     """Two micro-steps of a Sequential fed by data (stop_gradient=True), as LoRA behind
     frozen embeddings; returns per-parameter (.grad, main_grad) as numpy or None."""
@@ -804,8 +804,8 @@ def _assert_same_grads(got, ref):
 @pytest.mark.parametrize("mix", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("impl", ["ours", "enabled"])
 def test_reentrant_inputs_need_no_grad_params_still_get_gradients(impl, mix, fused):
-    """Issue 24 (bug A): every input stop_gradient=True, use_reentrant=True: the block's
-    own parameters got no .grad / main_grad at all, silently (fused or plain linear)."""
+    """Every input stop_gradient=True, use_reentrant=True: a reentrant PyLayer would give the
+    block's own parameters no .grad / main_grad at all, silently (fused or plain linear)."""
     ref_outs, ref = _frozen_input_run("none", "ours", mix, fused)
     assert all(pair[1 if mix else 0] is not None for pair in ref.values())
     outs, got = _frozen_input_run("reentrant", impl, mix, fused)
@@ -871,8 +871,8 @@ def test_reentrant_with_frozen_inputs_and_trainable_parameter_argument():
 @pytest.mark.parametrize("mix", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
-    """Issue 24 (bug B): a reentrant block returning its own non-leaf input beside a
-    (fused) linear's output failed on Paddle 2.6.2 in backward with "SystemError: (Fatal)
+    """A reentrant block returning its own non-leaf input beside a (fused) linear's output:
+    handed to Paddle 2.6.2's PyLayer as it is, backward fails with "SystemError: (Fatal)
     Unable to find next node in the GradTensorHolder"."""
     def run(recomputed):
         paddle_mgrad.disable()
@@ -897,7 +897,7 @@ def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
 
-# ------------------------------------------- found by the differential fuzzer (issue 24)
+# ------------------------------------------------------- found by the differential fuzzer
 def _ref_and_ours(build, use_reentrant=True):
     """``build(rc)`` -> (loss-able outputs, tensors whose grads to compare); no recompute vs ours."""
     res = []

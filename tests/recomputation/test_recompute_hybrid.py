@@ -218,7 +218,7 @@ def test_needs_mp_group():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_inputs_needing_no_grad_still_train_the_block(fused):
-    """Issue 24 for recompute_hybrid (a first pipeline stage behind frozen embeddings): no
+    """Frozen inputs for recompute_hybrid (a first pipeline stage behind frozen embeddings): no
     argument needs a gradient, the block's parameters get exactly the gradients of no
     recompute, and a block with nothing to train stays untouched and unrecomputed."""
     def run(use_hybrid, freeze_all=False):

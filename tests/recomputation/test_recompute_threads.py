@@ -1,15 +1,15 @@
-"""Recompute from several Python threads at once (issue 15).
+"""Recompute from several Python threads at once.
 
 Paddle has one process-wide slot for saved-tensor hooks.  Non-reentrant recompute from 4
-threads (each its own model, 50 iterations each) lost most of the 200 iterations' gradients
-(neither ``main_grad`` nor ``.grad``, no error; the counts per Paddle version are in
-docs/how-it-works.md, "Recompute from several threads").  Now each thread's recompute acts only for
-that thread (``recomputation/saved_hooks.py``): every iteration is compared with a
-single-threaded run of the same model and data.  Also: tensors saved by a thread that is not
-recomputing pass through untouched (the very parameter for a PyLayer, Paddle's in-place
-check), random masks replay exactly across threads, the hook slot is left as found, Paddle
-2.6's leak of what a pack hook returns no longer keeps recompute inputs alive, and crash
-probes in a subprocess.
+threads (each its own model, 50 iterations each) that used that slot directly would lose most
+of the 200 iterations' gradients (neither ``main_grad`` nor ``.grad``, no error).  Each
+thread's recompute acts only for that thread (``recomputation/saved_hooks.py``): every
+iteration is compared with a single-threaded run of the same model and data (the results per
+Paddle version: docs/how-it-works.md, "Recompute from several threads").  Also: tensors saved by
+a thread that is not recomputing pass through untouched (the very parameter for a PyLayer,
+Paddle's in-place check), random masks replay exactly across threads, the hook slot is left as
+found, Paddle 2.6's leak of what a pack hook returns does not keep recompute inputs alive, and
+crash probes in a subprocess.
 """
 import gc
 import os

@@ -1,8 +1,8 @@
-"""``ctx.save_for_backward`` of non-tensor objects while paddle_mgrad is on (issue 17).
+"""``ctx.save_for_backward`` of non-tensor objects while paddle_mgrad is on.
 
 While saved-tensor hooks are active (non-reentrant recompute), Paddle 3.3.1 and 2.6.2 accept
 only tensors in ``save_for_backward`` (2.6 not even None): PaddleFormers 1.2.0's
-``LMHeadFunction`` saves ``(x, weight, transpose_y)`` -- a Python bool -- and failed with
+``LMHeadFunction`` saves ``(x, weight, transpose_y)`` -- a Python bool -- and fails with
 ``ValueError: save_for_backward only support Tensor, list of Tensor, tuple of Tensor``.  The
 registry entry ``PyLayerContext.save_for_backward`` (installed by ``enable()`` and by the
 first non-reentrant recompute) keeps non-tensor objects on the context and hands them back

@@ -1,9 +1,9 @@
-"""``paddle.jit.to_static`` of a model that calls recompute (issue 19, item 3).
+"""``paddle.jit.to_static`` of a model that calls recompute.
 
-Paddle 2.6.2's default translator (SOT) simulated paddle_mgrad's recompute and failed on the
+Paddle 2.6.2's default translator (SOT), left to simulate paddle_mgrad's recompute, fails on the
 first training call (``AttributeError: type object 'module' has no attribute 'get_state'``
-from ``rng.capture``; with the fused linear on, a ``TypeError`` from a registry install).
-Plain Paddle trains.  Now recompute runs as dygraph under SOT, as Paddle's does
+from ``rng.capture``; with the fused linear on, a ``TypeError`` from a registry install), where
+plain Paddle trains.  So recompute runs as dygraph under SOT, as Paddle's does
 (``recomputation/to_static.py``).  Each run is its own process (SOT caches translations per
 process): plain Paddle and paddle_mgrad (``enable(recompute=True, fused_linear=True)``),
 non-reentrant and reentrant, SOT and ``full_graph=True``, 3 SGD steps; every configuration

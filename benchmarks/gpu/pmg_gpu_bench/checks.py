@@ -449,7 +449,7 @@ class Bench:
                              mg, db)
 
     def bias_order(self):
-        """Issue 27 item 2: the bias kernel's sums (fresh db, beta 0) bitwise equal to the CPU
+        """The bias kernel's sums (fresh db, beta 0) bitwise equal to the CPU
         reference that follows its order (csrc/wgrad_gpu_plan.cc bias_reduce_reference) for
         this GPU's SM count and dY's address: vector loads, odd N (scalar loads), narrow N,
         every dtype."""
@@ -481,7 +481,7 @@ class Bench:
                          f"({sms} SMs); max rel err vs float64 {rel:.2e}; {info_field(info, 'bias')}")
 
     def pressure(self):
-        """Issue 27 item 3: an allocator that refuses the first request (cuBLASLt workspace
+        """Memory pressure: an allocator that refuses the first request (cuBLASLt workspace
         included) but not the same call's needs without workspace: the call re-plans
         (ws_retry=1) and accumulates correctly; the core counts it (workspace_retries)."""
         if self.sim:

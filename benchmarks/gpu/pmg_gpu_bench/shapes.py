@@ -6,7 +6,7 @@ from .capi import ELEM
 # (tokens, K, N): llama-7B/13B-like projections (the README's four shapes)
 BENCH_SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008), (16384, 4096, 14336),
                 (16384, 14336, 4096)]
-# (tokens, K, N) where the bias path matters (issue 27): small K*N with large M, where
+# (tokens, K, N) where the bias path matters: small K*N with large M, where
 # cuBLASLt's plain GEMM splits K and the split-K-free epilogue cannot, and the bias kernel's
 # share of the time is largest.  Timed against the bare GEMM, per bias path.
 BIAS_PATH_SHAPES = [

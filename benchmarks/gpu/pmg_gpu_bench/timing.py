@@ -83,7 +83,7 @@ def speed(bench):
 
 
 def bias_paths(bench):
-    """Issue 27's shapes (LoRA-narrow N, MoE-small M*N, large M): ours with a bias gradient on
+    """The bias-path shapes (LoRA-narrow N, MoE-small M*N, large M): ours with a bias gradient on
     each path (auto, kernel, epilogue) against ours without bias and the bare bf16 GEMM, and
     torch's fp32 column sum as the bias reduction's yardstick.  Reports which path auto took
     (and why), whether auto was within 3 % of the faster forced path, and the bias kernel's
