@@ -38,12 +38,10 @@ calls them; everything with an underscore is this module's own.
 """
 from __future__ import annotations
 
-import types
-
 from paddle import _C_ops
 
 from . import _compat, ops, registry, stats
-from ._compat import paddle, tracer
+from ._compat import LINEAR_IS_C_OP, MAIN_GRAD_IN_DICT, NO_ATTRS, paddle, tracer
 from .autograd import (
     backward_errors,
     param_hooks,
@@ -63,6 +61,7 @@ INTERNAL = (
     "weight_and_bias_grads",  # the fused op into main_grad/.grad (ordinary backward)
     "plain_param_grads",      # plain weight/bias gradients (a paddle.grad pass)
     "functional_grads",       # a whole paddle.grad-pass backward, dx supplied by the caller
+    "input_grad",             # dx = dy · Wᵀ in dy's dtype, optionally cast back to x's
 )
 
 # Set on the copies Paddle's reentrant recompute makes of parameter arguments:
@@ -98,7 +97,7 @@ def _written(p):
     *replaces* ``.grad`` instead of adding to it.  When the parameter also gets a gradient
     from another op (a weight shared with a matmul, a tied embedding, a double backward),
     that replacement would drop what we just added in place -- so we clear the mark."""
-    unset = getattr(p, "_unset_fake_empty", None)
+    unset = getattr(p, "_unset_fake_empty", None)  # (a stand-in for a parameter may lack it)
     if unset is not None:
         unset()
 
@@ -108,14 +107,6 @@ def _written(p):
 _dtname = ops._dtype_name
 
 
-# ``main_grad`` is a plain instance attribute (MixPrecisionLayer, PaddleNLP set it): read from
-# ``__dict__`` unless a Paddle ever defines it on the class
-_MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
-                          or hasattr(_compat.EagerParamBase, "main_grad"))
-
-
-# what a tensor without ``__dict__`` (Paddle 2.6, not a parameter) holds: nothing; read only
-_NO_ATTRS = types.MappingProxyType({})
 
 
 def check_main_grad(p, p_name=None):
@@ -131,7 +122,7 @@ def check_main_grad(p, p_name=None):
 def _check_main_grad_dtype(p, p_name, mg_name, mg):
     """:func:`check_main_grad` for a ``main_grad`` ``mg`` whose dtype names the caller has
     (``p_name``: the parameter's, ``mg_name``: ``mg``'s): the rule and its error."""
-    want = "float64" if p_name == "float64" else "float32"  # ops.mp_dtype
+    want = ops.mp_dtype(p_name)
     if mg_name != want:
         raise FusedLinearError(
             f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
@@ -206,18 +197,20 @@ def _compute_dtypes(x, dy):
     return x, dy.astype(x.dtype)
 
 
-def _input_grad(dy, weight, transpose_weight, x_dtype, names=None):
-    """``dx``: ``dy · Wᵀ`` (``dy · W`` for a transposed ``[N, K]`` weight) in ``dy``'s dtype
-    (the weight cast to it, as autocast did in forward), returned in ``x``'s dtype.
-    Differentiable (create_graph).  ``names``: the dtype names of (x, dy, weight) when the
-    caller has them."""
+def input_grad(dy, weight, transpose_weight=False, x_dtype=None, names=None):
+    """``dx``: ``dy · Wᵀ`` (``dy · W`` for a transposed ``[N, K]`` weight) computed in ``dy``'s
+    dtype (the weight cast to it, as autocast did in forward) and returned in ``x_dtype`` --
+    or in ``dy``'s dtype when ``x_dtype`` is None: the fleet linears, whose collective runs on
+    ``dx`` in that dtype, as fleet's own.  Differentiable (create_graph).  ``names``: the dtype
+    names of (x, dy, weight) when the caller has them."""
     if names is None:
-        names = (_dtname(x_dtype), _dtname(dy.dtype), _dtname(weight.dtype))
+        names = (None if x_dtype is None else _dtname(x_dtype), _dtname(dy.dtype),
+                 _dtname(weight.dtype))
     x_name, dy_name, w_name = names
     w = weight if w_name == dy_name else weight.astype(dy.dtype)
     # paddle.matmul in dynamic mode (a backward always is), without its Python frame
     dx = _C_ops.matmul(dy, w, False, not transpose_weight)
-    return dx if dy_name == x_name else dx.astype(x_dtype)
+    return dx if x_dtype is None or dy_name == x_name else dx.astype(x_dtype)
 
 
 def plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
@@ -244,6 +237,11 @@ def plain_param_grads(x, dy, weight, bias, transpose_weight, want_w, want_b):
     return dw, db
 
 
+# input dtypes whose common-case backward computes dx inside our op (Paddle's CPU matmul kernel
+# takes float32 and float64; there is no bf16/fp16 matmul on Paddle's CPU)
+_ONE_CALL_DTYPES = frozenset(("float32", "float64"))
+
+
 def _backward_fast(ctx, x, dy, weight, bias):
     """The ordinary backward of :class:`FusedLinearWithGradAdd` in its common case, in few steps.
 
@@ -265,18 +263,18 @@ def _backward_fast(ctx, x, dy, weight, bias):
     call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
     every check in Python and raises the usual error."""
     x_name, where = ctx.facts
-    if tracer()._has_grad or weight.stop_gradient or not _MAIN_GRAD_IN_DICT:
+    if tracer()._has_grad or weight.stop_gradient or not MAIN_GRAD_IN_DICT:
         return None
     if _dtname(dy.dtype) != x_name:
         return None
     # Paddle 2.6's plain (non-parameter) tensors have no __dict__, hence no main_grad either
-    wd = getattr(weight, "__dict__", _NO_ATTRS)
+    wd = getattr(weight, "__dict__", NO_ATTRS)
     hooked = param_hooks.hooked  # empty unless some tensor got a user hook: one test then
     if "main_grad" not in wd or (hooked and param_hooks.has_user_hooks(weight)):
         return None
     w_acc = wd["main_grad"]
     if bias is not None:
-        bd = getattr(bias, "__dict__", _NO_ATTRS)
+        bd = getattr(bias, "__dict__", NO_ATTRS)
         if (bias.stop_gradient or "main_grad" not in bd
                 or (hooked and param_hooks.has_user_hooks(bias))):
             return None
@@ -318,11 +316,6 @@ def _backward_fast(ctx, x, dy, weight, bias):
     return dx, None, None
 
 
-# input dtypes whose common-case backward computes dx inside our op (Paddle's CPU matmul kernel
-# takes float32 and float64; there is no bf16/fp16 matmul on Paddle's CPU)
-_ONE_CALL_DTYPES = frozenset(("float32", "float64"))
-
-
 def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
     want_w, want_b = _wants_grad(weight), _wants_grad(bias)
     if not (want_w or want_b):
@@ -335,7 +328,7 @@ def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
     if x_name != dy_name:  # autocast (O1): see _compute_dtypes
         x, dy = _compute_dtypes(x, dy)
         x_name = _dtname(x.dtype)
-    mp_name = "float64" if x_name == "float64" else "float32"  # ops.mp_dtype(x_name)
+    mp_name = ops.mp_dtype(x_name)
     w_kind, w_acc = _accumulator(weight) if want_w else (None, None)
     b_kind, b_acc = _accumulator(bias) if want_b else (None, None)
     w_acc_name = _dtname(w_acc.dtype) if w_acc is not None else None
@@ -417,14 +410,11 @@ def _paddle_linear(x, weight, bias):
     through ``paddle.get_flags``, ~30 us, whose value matters only with CUDA): call the op
     itself.  A CUDA build of 3.x picks its kernel by that flag, so there it is Paddle's
     function, flags and all."""
-    if _LINEAR_IS_C_OP:
+    if LINEAR_IS_C_OP:
         return _C_ops.linear(x, weight, bias)
     return original("linear")(x, weight, bias)
 
 
-# what :func:`_paddle_linear` calls, decided once: neither Paddle's version nor its build changes
-# within a process
-_LINEAR_IS_C_OP = _compat.IS_PADDLE_2 or not paddle.is_compiled_with_cuda()
 
 
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
@@ -456,15 +446,15 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         if fpass is not None:  # paddle.grad: plain gradients, nothing accumulated
             return functional_grads(
                 ctx, x, dy, fpass,
-                lambda: _input_grad(dy, ctx.weight, ctx.transpose_weight, x.dtype))
+                lambda: input_grad(dy, ctx.weight, ctx.transpose_weight, x.dtype))
         # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
         # enable(fused_linear=True) tags it with the real parameter (ORIGIN).
         weight, bias = ctx.weight, ctx.bias
         # (the tag lives in __dict__: looked up there, no AttributeError raised and caught;
         # Paddle 2.6's plain tensors have no __dict__ at all)
-        weight = getattr(weight, "__dict__", _NO_ATTRS).get(ORIGIN, weight)
+        weight = getattr(weight, "__dict__", NO_ATTRS).get(ORIGIN, weight)
         if bias is not None:
-            bias = getattr(bias, "__dict__", _NO_ATTRS).get(ORIGIN, bias)
+            bias = getattr(bias, "__dict__", NO_ATTRS).get(ORIGIN, bias)
         if ctx.facts is not None:
             done = _backward_fast(ctx, x, dy, weight, bias)
             if done is not None:
@@ -474,7 +464,7 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
         dx = None
         if ctx.x_needs_grad:
-            dx = _input_grad(dy, weight, ctx.transpose_weight, x.dtype, names)
+            dx = input_grad(dy, weight, ctx.transpose_weight, x.dtype, names)
         if tracer()._has_grad:  # create_graph: the accumulation is no part of any graph
             with paddle.no_grad():
                 dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
@@ -484,6 +474,18 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         if bias is None:
             return dx, dw
         return dx, dw, db
+
+
+# what :func:`_route` reads: ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` on
+# Paddle 2.6 and 3.x (a thread-local of paddle.base.framework); the eager Tensor class
+_global_var = _compat.global_var
+_Tensor = _compat.core.eager.Tensor
+# where :func:`fused_linear` learns that a recomputation re-runs it (``.pack``)
+_recomputing_state = _recomputing.state
+
+
+# ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
+_CPU_PLACE = str(paddle.CPUPlace())
 
 
 def _route(x, weight, bias, transpose_weight=False):
@@ -561,18 +563,6 @@ def _route_meta(x, weight, bias, transpose_weight):
     if place == _CPU_PLACE:
         return x_name, "cpu"
     return x_name, "gpu" if x.place.is_gpu_place() else None  # (CUDA-pinned memory is not)
-
-
-# what :func:`_route` reads: ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` on
-# Paddle 2.6 and 3.x (a thread-local of paddle.base.framework); the eager Tensor class
-_global_var = _compat.global_var
-_Tensor = _compat.core.eager.Tensor
-# where :func:`fused_linear` learns that a recomputation re-runs it (``.pack``)
-_recomputing_state = _recomputing.state
-
-
-# ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
-_CPU_PLACE = str(paddle.CPUPlace())
 
 
 def fused_linear(x, weight, bias=None, name=None):

@@ -27,6 +27,7 @@ from ..autograd import backward_errors, passes as autograd_passes
 from ..linear import (
     apply_under_policy,
     functional_grads,
+    input_grad,
     stash_for_backward,
     weight_and_bias_grads,
 )
@@ -83,12 +84,6 @@ def forward_matmul(x, weight, bias, fuse_matmul_bias):
     if fuse_matmul_bias and bias is not None:
         return paddle._legacy_C_ops.fused_gemm_epilogue(x, weight, bias)
     return original("linear")(x, weight, bias)
-
-
-def input_grad(dy, weight):
-    """``dy · weightᵀ`` in ``dy``'s dtype (the input gradient of a ``[K, N]`` weight)."""
-    w = weight if weight.dtype == dy.dtype else paddle.cast(weight, dy.dtype)
-    return paddle.matmul(dy, w, transpose_y=True)
 
 
 def grads_while(task, dx, x, dy, weight, bias):

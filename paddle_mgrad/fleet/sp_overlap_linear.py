@@ -28,9 +28,9 @@ from __future__ import annotations
 from .. import stats
 from .._compat import paddle
 from ..autograd import backward_errors, passes as autograd_passes
-from ..linear import check_main_grads, plain_param_grads, stash_for_backward
+from ..linear import check_main_grads, input_grad, plain_param_grads, stash_for_backward
 from .collective_overlap import let_collective_start
-from .overlap_linear import forward_matmul, grads_while, input_grad
+from .overlap_linear import forward_matmul, grads_while
 
 __all__ = ["SPOverlapLinearWithGradAdd", "replace"]
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import warnings
 
-from .._compat import paddle, tracer as _tracer
+from .._compat import HAS_PADDLE_FUSED_WGRAD, paddle, run_custom_op, tracer as _tracer
 from ..env import get as env_get
 from . import _inputs, _reference
 from ._inputs import SUPPORTED as _SUPPORTED, acc_dtypes, mp_dtype  # noqa: F401 (linear.py)
@@ -65,9 +65,7 @@ _dtype_name = _inputs.dtype_name
 def _paddle_has_gpu_fused_op() -> bool:
     """This Paddle has ``_C_ops.fused_linear_param_grad_add`` with a GPU kernel (CUDA wheels;
     CPU wheels have the Python binding but no kernel)."""
-    from paddle import _C_ops
-
-    if not hasattr(_C_ops, "fused_linear_param_grad_add"):
+    if not HAS_PADDLE_FUSED_WGRAD:
         return False
     try:
         kernels = paddle.framework.core._get_all_register_op_kernels("phi")
@@ -335,17 +333,6 @@ def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precisi
     return _dispatch(x, dout, dweight, dbias, multi_precision, has_bias)
 
 
-def _raw_runner():
-    """Paddle's custom-op entry point that the generated wrapper of our op calls in dynamic
-    mode (``_C_ops._run_custom_op`` on 3.x, ``core.eager._run_custom_op`` on 2.6), or None."""
-    from paddle import _C_ops
-
-    run = getattr(_C_ops, "_run_custom_op", None)
-    if run is None:
-        run = getattr(getattr(paddle.framework.core, "eager", None), "_run_custom_op", None)
-    return run
-
-
 _RAW = {"run": None, "for": None}  # the raw runner, for which loaded module
 
 
@@ -375,7 +362,7 @@ def cpu_runner(x_name):
     if module is None or not _fast_path_ok(x_name):
         return None
     if _RAW["for"] is not module:
-        _RAW.update(run=_raw_runner(), **{"for": module})
+        _RAW.update(run=run_custom_op(), **{"for": module})
     return _RAW["run"]
 
 

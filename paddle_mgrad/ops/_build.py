@@ -66,7 +66,7 @@ import sys
 import sysconfig
 import tempfile
 
-from .._compat import paddle
+from .._compat import PADDLE_COMMIT, paddle
 from ..env import get as env_get
 from . import build_config as bc
 from ._cache import (  # (_write_new: the tests reach the cache through _build)
@@ -168,10 +168,9 @@ def build_config(cuda=None):
 def build_key(cuda=None) -> str:
     sources, cflags, ldflags, nvcc = build_config(cuda)
     h = hashlib.sha256()
-    commit = getattr(getattr(paddle, "version", None), "commit", "")
     cuda = with_cuda() if cuda is None else cuda
     tk_version = str(cuda_toolkit().version) + (cuda_toolkit().home or "") if cuda else ""
-    for part in (paddle.__version__, commit, str(paddle.is_compiled_with_cuda()), tk_version,
+    for part in (paddle.__version__, PADDLE_COMMIT, str(paddle.is_compiled_with_cuda()), tk_version,
                  sysconfig.get_config_var("SOABI") or sys.version, " ".join(cflags),
                  " ".join(ldflags), " ".join(nvcc)):
         h.update(part.encode())

@@ -16,7 +16,7 @@ import stat
 import time
 import warnings
 
-from .._compat import paddle
+from .._compat import PADDLE_COMMIT, paddle
 from ..env import get as env_get
 
 MARKER = ".complete"
@@ -273,7 +273,7 @@ def _write_marker(build_dir, key, rel, cuda):
     size, digest = _hash_file(lib)
     info = {"format": MARKER_FORMAT, "key": key, "library": rel, "size": size, "sha256": digest,
             "paddle_version": paddle.__version__,
-            "paddle_commit": getattr(getattr(paddle, "version", None), "commit", ""),
+            "paddle_commit": PADDLE_COMMIT,
             "cuda": bool(cuda), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "built_by_uid": os.geteuid()}
     _write_new(os.path.join(build_dir, MARKER), json.dumps(info, indent=1) + "\n")

@@ -45,9 +45,8 @@ def _remember(dt):
 
 for _n in SUPPORTED + ("int32", "int64", "bool", "uint8", "int8", "int16", "complex64",
                        "complex128"):
-    _dt = getattr(paddle, _n, None)
-    if _dt is not None:
-        _remember(_dt)
+    _dt = getattr(paddle, _n)  # each of these names is a dtype on 2.6 and 3.x
+    _remember(_dt)
     _BY_ID[id(_n)] = (_n, _n)
 del _n, _dt
 

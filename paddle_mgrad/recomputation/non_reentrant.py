@@ -54,7 +54,7 @@ import math
 import weakref
 
 from .. import stats
-from .._compat import IS_PADDLE_2, is_parameter, paddle
+from .._compat import UNPACK_MOVES_HOLDER, is_parameter, paddle
 from ..autograd import backward_errors as _errors, recomputing as _recomputing
 from ..errors import RecomputeError
 from . import (
@@ -138,7 +138,7 @@ class _Frame:
         """The forward's pack hook; an empty holder's tensor waits in ``self.pending`` until the
         forward returns or raises (:meth:`forward_done`, :meth:`forward_failed`)."""
         kept = self._keep(x)
-        for_op = IS_PADDLE_2 and not _hooks.in_pylayer_save()
+        for_op = UNPACK_MOVES_HOLDER and not _hooks.in_pylayer_save()
         if not kept and self.sublayers is not None and self.sublayers.depth:
             # saved by a sublayer the policy does not recompute: kept as it is (a detached
             # alias: a tensor made inside the graph held from it would hold its own node)
@@ -288,7 +288,7 @@ class _Frame:
                         f"the forward saved only {len(specs)}"
                     )
                 return None
-            x_spec = spec(x) if check_shapes or IS_PADDLE_2 else None
+            x_spec = spec(x) if check_shapes or UNPACK_MOVES_HOLDER else None
             if check_shapes and x_spec != specs[i]:
                 want = "None" if specs[i] is None else (
                     f"shape={list(specs[i][0])}, dtype={specs[i][1]}")

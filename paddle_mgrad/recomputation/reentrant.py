@@ -48,7 +48,7 @@ from __future__ import annotations
 import inspect
 
 from .. import stats
-from .._compat import is_parameter, is_tensor, paddle, tracer
+from .._compat import HAS_SHARED_TENSOR_COPY, is_parameter, is_tensor, paddle, tracer
 from ..autograd import backward_errors as _errors, passes as autograd_passes
 from ..errors import RecomputeError
 from . import amp as _amp, non_reentrant as _non_reentrant, rng as _rng
@@ -73,7 +73,7 @@ def _encode(arg, tensors):
     if is_parameter(arg):
         return ("param", arg)
     if is_tensor(arg):
-        if hasattr(arg, "_new_shared_tensor"):
+        if HAS_SHARED_TENSOR_COPY:
             # A shallow copy, as Paddle does, so that schedulers freeing the
             # caller's tensor (pipeline parallel) do not free what backward needs.
             arg = arg._new_shared_tensor()

@@ -63,7 +63,7 @@ import itertools
 import threading
 
 from .. import registry
-from .._compat import IS_PADDLE_2, core, is_tensor
+from .._compat import PACKED_VALUES_LEAK, UNPACK_MOVES_HOLDER, core, is_tensor
 from ..errors import RecomputeError
 from .tensors import buffer_sharing_tensor
 
@@ -71,9 +71,6 @@ _local = threading.local()  # .stack: [(pack, unpack)]; .pylayer_save: bool
 _lock = threading.Lock()
 _slot = {"epoch": None, "frames": 0, "sticky": False}
 _frames_by_thread: dict = {}  # thread id -> number of active frames
-
-#: Paddle 2.6 never releases what a pack hook returns (3.x holds it in a shared_ptr)
-PACKED_VALUES_LEAK = IS_PADDLE_2
 
 
 def in_pylayer_save() -> bool:
@@ -169,8 +166,8 @@ class _Epoch:
                 f"Tensor '{t.name}' used in gradient computation has been modified by an "
                 f"inplace operation. Its version is {t._inplace_version()} but the expected "
                 f"version is {packed.version}.")
-        # 2.6 moves the buffer out of what we return: give it its own DenseTensor
-        return buffer_sharing_tensor(t) if IS_PADDLE_2 else t
+        # (2.6 moves the buffer out of what we return: give it its own DenseTensor)
+        return buffer_sharing_tensor(t) if UNPACK_MOVES_HOLDER else t
 
 
 def _register():
