@@ -7,8 +7,9 @@ call to the fp32 GEMM when a subnormal could appear.  This script times, in inte
 of one run (same threads, same data, so the ratios hold on a shared, noisy machine):
 
 * ``gemm``  -- raw ``dnnl_gemm_bf16bf16f32`` through ctypes, ``C[K, N] += xᵀ · dy`` (beta = 1);
-* ``scan``  -- the exactness check alone, through the op library's C ABI
-  (``pmg_bf16_native_is_exact_c``);
+* ``scan``  -- the exactness check alone, through the test/benchmark library's C ABI
+  (``pmg_bf16_native_is_exact_c``, csrc/wgrad_capi_testing.cc; built once into the op cache by
+  benchmarks/gpu/pmg_gpu_bench/build.py with the same wgrad_bf16_scan.cc and flags);
 * ``op native`` / ``op widen`` -- ``paddle_mgrad.ops.fused_linear_param_grad_add`` on the same
   bf16 data with ``PADDLE_MGRAD_CPU_BF16=native`` (check + GEMM) and ``=widen``.
 
@@ -53,6 +54,18 @@ def with_env(name, value, fn):
             os.environ[name] = old
 
 
+def _test_library():
+    """The test/benchmark library (it carries the scan's probe; the op library does not)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+    try:
+        from pmg_gpu_bench.build import cached_cpu_library
+    finally:
+        sys.path.pop(0)
+    return cached_cpu_library(_build.cache_root())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096x4096,4096x1024x4096,4096x4096x1024",
@@ -65,7 +78,7 @@ def main():
     if not info["native_bf16"] and not args.allow_reference:
         raise SystemExit(f"no native bf16 here ({info}); the guarded GEMM would be oneDNN's "
                          "reference kernel: pass --allow-reference to time it anyway")
-    lib = ctypes.CDLL(_build.library_path(ops.load()))
+    lib = ctypes.CDLL(_test_library())
     scan = lib.pmg_bf16_native_is_exact_c
     scan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     scan.restype = ctypes.c_int

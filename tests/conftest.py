@@ -66,6 +66,7 @@ def pytest_configure(config):
         from paddle_mgrad import ops
 
         ops.load()  # the controller: build the suite's op once (kept in the cache after)
+        _bench_module_core()  # and the test library (the capi fixture's)
 
 
 def _private_worker_cache(config):
@@ -81,6 +82,9 @@ def _private_worker_cache(config):
         key_dir = os.path.join(_build.cache_root(), key)
         if any(os.path.lexists(os.path.join(key_dir, m)) for m in (_build.MARKER, _build.FAILED)):
             shutil.copytree(key_dir, os.path.join(cache, key), symlinks=True)
+    for name in os.listdir(_build.cache_root()) if os.path.isdir(_build.cache_root()) else ():
+        if name.startswith("capi-test-"):  # the test library (the capi fixture's)
+            shutil.copytree(os.path.join(_build.cache_root(), name), os.path.join(cache, name))
     os.environ["PADDLE_MGRAD_CACHE"] = cache
 
 
@@ -159,15 +163,16 @@ def _bench_module():
 
 
 @pytest.fixture(scope="session")
-def capi(tmp_path_factory):
-    """The C ABI of the shipped op module (the GPU path's decisions, the fake host and the fake
-    GPU are compiled into every build); built with the benchmark's g++ line when the op is not
-    built here."""
-    from paddle_mgrad import ops
+def capi():
+    """The test library's C ABI: the op library's (the cores) plus the test-only one (the GPU
+    path's decisions, the fake host and the fake GPU, the bf16 scan's kernels), which is never
+    compiled into the op library users load.  Built once per key into the op cache's root
+    (benchmarks/gpu/pmg_gpu_bench/build.py ``cached_cpu_library``)."""
+    return _bench_module_core()
+
+
+def _bench_module_core():
     from paddle_mgrad.ops import _build
 
     g = _bench_module()
-    module = ops.load()
-    path = _build.library_path(module) if module is not None else \
-        g.build(str(tmp_path_factory.mktemp("capi")), cuda=False)
-    return g.Core(path, cuda=False)
+    return g.Core(g.cached_cpu_library(_build.cache_root()), cuda=False)

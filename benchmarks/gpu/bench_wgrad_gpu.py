@@ -6,7 +6,8 @@
     python benchmarks/gpu/bench_wgrad_gpu.py --simulate-cpu  # the checks' logic on the CPU core
     python benchmarks/gpu/bench_wgrad_gpu.py --cpu-core      # the Paddle-free CPU core (numpy only)
 
-Everything goes through the C ABI of ``csrc/wgrad_capi.cc`` (ctypes), built here with nvcc from
+Everything goes through the C ABIs of ``csrc/wgrad_capi.cc`` and the test-only
+``csrc/wgrad_capi_testing.cc`` (ctypes), built here with nvcc from
 the flags and toolkit discovery of ``paddle_mgrad/ops/build_config.py`` (what the Paddle build
 uses), for sm_80/sm_90/compute_90 plus this GPU's capability.  Needs CUDA (nvcc, cuBLASLt),
 torch and numpy; ``compute-sanitizer`` (the toolkit's) for the memcheck row.  One run checks,
@@ -59,6 +60,7 @@ from pmg_gpu_bench.build import (  # noqa: E402,F401
     _require,
     bc,
     build,
+    cached_cpu_library,
     check_paddle_binding,
     compile_only,
     cublas_lib_dirs,

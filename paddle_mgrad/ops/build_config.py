@@ -47,10 +47,25 @@ import sys
 CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_cpu_env.cc", "wgrad_bf16_scan.cc", "wgrad_dgemm.cc",
                 "wgrad_gpu_plan.cc"]
 PADDLE_SOURCES = ["wgrad_op.cc", "wgrad_pyentry.cc"]  # the Paddle binding (PD_BUILD_OP), its fast entry
-CAPI_SOURCES = ["wgrad_capi.cc"]                # C ABI for ctypes (benchmarks, no-GPU checks)
+CAPI_SOURCES = ["wgrad_capi.cc"]                # the op library's C ABI for ctypes (the cores, what ran)
+# Test doubles (fake GPU, fake host), probes of the GPU path's decisions and of the bf16 scan
+# kernels: compiled only into the test/benchmark library (benchmarks/gpu/pmg_gpu_bench/build.py),
+# never into the op library users load.
+CAPI_TEST_SOURCES = ["wgrad_capi_testing.cc"]
 CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) + bias reduction
 HEADERS = ["wgrad_core.h", "wgrad_cpu_env.h", "wgrad_cpu_dtype.h", "wgrad_dgemm.h", "wgrad_cuda.h",
-           "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h", "wgrad_op.h"]
+           "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h", "wgrad_op.h",
+           "wgrad_capi_util.h"]
+
+# The op library's exported C names (all of them start with ``pmg_``): the C ABI of wgrad_capi.cc
+# and the Python fast entry of wgrad_pyentry.cc; a CUDA build adds EXPORTED_CUDA_C_SYMBOLS.
+# tests/ops/test_exported_symbols.py reads the built library's dynamic symbol table and checks
+# that its pmg_* names are exactly these, and that nothing of the test library is in it.
+EXPORTED_C_SYMBOLS = ("pmg_cpu_bf16_path", "pmg_cpu_gemm_backend", "pmg_cpu_isa",
+                      "pmg_cpu_thread_scratch_bytes", "pmg_fast_module", "pmg_has_cuda",
+                      "pmg_wgrad_cpu_c")
+EXPORTED_CUDA_C_SYMBOLS = ("pmg_cuda_stats", "pmg_cuda_targets", "pmg_wgrad_cuda_c",
+                           "pmg_wgrad_cuda_ex")
 
 # -g0: no debug information.  Python's sysconfig puts -g into every extension's compile line; for
 # this op it was a third of the compile time (Paddle's headers are large) and most of the library's

@@ -3,7 +3,7 @@ the tiered CUDA build (CPU op survives with one warning), the build targets (the
 capability), the per-place dispatch to our op / Paddle's fused op / the fallback with a fake GPU
 placement; the CUDA core's decisions (csrc/wgrad_gpu_plan.cc: alignment, kernel images, bias
 path, workspace, places) and the Paddle binding's GPU branch (csrc/wgrad_gpu_flow.h) on a
-recording fake host, both through the shipped module's C ABI; the overlap linears' GPU aid."""
+recording fake host, both through the test library's C ABI (the capi fixture); the overlap linears' GPU aid."""
 import ctypes
 import os
 import stat

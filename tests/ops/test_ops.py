@@ -940,18 +940,13 @@ def test_bad_fp64_kernel_env_is_a_clear_error(value):
 
 
 # ---------------------------------------------------------------- the C ABI (Paddle-free)
-def test_c_api_zero_size_null_pointers_and_float64(tmp_path):
+def test_c_api_zero_size_null_pointers_and_float64(capi):
     """pmg_wgrad_cpu_c: zero-element inputs may be null (the core reads only what it needs),
     a null pointer that would be read is a clear error, fp64 (code 3) accumulates in fp64,
     and the accumulator rule is enforced by the core's one check."""
     import ctypes
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
-    try:
-        import bench_wgrad_gpu as gpu
-    finally:
-        sys.path.pop(0)
-    core = gpu.Core(gpu.build(str(tmp_path), cuda=False), cuda=False)
+    core = capi
     err = ctypes.create_string_buffer(512)
 
     def call(x, dy, in_t, M, K, N, dw, dw_t, db, db_t, beta=1.0):
@@ -1058,17 +1053,15 @@ def test_native_bf16_path_runs_its_gemm_on_every_safe_pattern():
 
 
 @pytest.mark.parametrize("kernel", [0, 1, 2], ids=["portable", "avx2", "avx512bw"])
-def test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude(kernel):
+def test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude(kernel, capi):
     """The pass behind the check, each of its kernels (an AVX2-only CPU runs the AVX2 one, a CPU
-    without AVX2 the portable one) through the op library's C ABI: the smallest nonzero |bf16|
-    among random values with planted small ones at ragged positions (vector tails, thread splits
-    of > 2^18 values), signed zeros ignored, NaN/inf patterns ordered as their bits."""
+    without AVX2 the portable one) through the test library's C ABI (the same
+    wgrad_bf16_scan.cc): the smallest nonzero |bf16| among random values with planted small ones
+    at ragged positions (vector tails, thread splits of > 2^18 values), signed zeros ignored,
+    NaN/inf patterns ordered as their bits."""
     import ctypes
 
-    from paddle_mgrad.ops import _build
-
-    lib = ctypes.CDLL(_build.library_path(ops.load()))
-    f = lib.pmg_bf16_min_nonzero_bits_c
+    f = capi.lib.pmg_bf16_min_nonzero_bits_c
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     f.restype = ctypes.c_int
     have = f(np.zeros(1, np.uint16).ctypes.data, 1, kernel) != -1

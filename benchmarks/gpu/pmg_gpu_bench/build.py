@@ -1,9 +1,17 @@
-"""Building the C ABI library with the Paddle build's flags and toolkit discovery."""
+"""Building the test/benchmark library with the Paddle build's flags and toolkit discovery.
+
+The library is the framework-free core with both C ABIs: the op library's (``wgrad_capi.cc``)
+and the test-only one (``wgrad_capi_testing.cc``: fake GPU, fake host, probes of the GPU path's
+decisions).  The op library users load is built by ``paddle_mgrad/ops/_build.py`` without the
+test-only one."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 
 from .capi import Core, CoreError
@@ -72,7 +80,7 @@ def compile_only(build_dir):
     tk = _require(toolkit())
     print(f"toolkit: {tk.summary()}", flush=True)
     incs = [f"-I{d}" for d in tk.include_dirs]
-    for src in bc.CUDA_SOURCES + bc.CAPI_SOURCES + bc.CORE_SOURCES:
+    for src in bc.CUDA_SOURCES + bc.CAPI_SOURCES + bc.CAPI_TEST_SOURCES + bc.CORE_SOURCES:
         cmd = [tk.nvcc, "-c", "-x", "cu" if src.endswith(".cu") else "c++", *bc.NVCC_FLAGS,
                "-Xcompiler", "-fPIC,-Wall,-fopenmp", f"-I{CSRC}", *incs,
                os.path.join(CSRC, src), "-o", os.path.join(build_dir, src + ".o")]
@@ -97,14 +105,21 @@ def compile_only(build_dir):
                 raise RuntimeError(f"unexpected error text from the CUDA core: {e}") from e
 
 
+TEST_SOURCES = bc.CORE_SOURCES + bc.CAPI_SOURCES + bc.CAPI_TEST_SOURCES
+
+
+def _cpu_command(srcs, out):
+    return ["g++", *bc.CXX_FLAGS, "-fPIC", "-shared", f"-I{CSRC}", *srcs, "-o", out]
+
+
 def build(build_dir, cuda=True, targets=None):
-    """Build the C ABI library: CPU core + decisions + C API (g++), or with the CUDA core (nvcc,
-    ``targets`` default: build_config's)."""
+    """Build the test/benchmark library: CPU core + decisions + both C ABIs (g++), or with the
+    CUDA core (nvcc, ``targets`` default: build_config's)."""
     os.makedirs(build_dir, exist_ok=True)
     out = os.path.join(build_dir, "libpmg_wgrad_cuda.so" if cuda else "libpmg_wgrad_cpu.so")
-    srcs = [os.path.join(CSRC, f) for f in bc.CORE_SOURCES + bc.CAPI_SOURCES]
+    srcs = [os.path.join(CSRC, f) for f in TEST_SOURCES]
     if not cuda:
-        cmd = ["g++", *bc.CXX_FLAGS, "-fPIC", "-shared", f"-I{CSRC}", *srcs, "-o", out]
+        cmd = _cpu_command(srcs, out)
     else:
         tk = _require(toolkit())
         flags = bc.nvcc_flags(tuple(targets)) if targets else bc.NVCC_FLAGS
@@ -122,3 +137,41 @@ def build(build_dir, cuda=True, targets=None):
     print(f"built {out} in {time.time() - t0:.1f} s", flush=True)
     return out
 
+
+
+def cpu_library_key() -> str:
+    """What the CPU test library's binary depends on: the compile line, the compiler's version,
+    the sources and headers."""
+    h = hashlib.sha256(" ".join(_cpu_command(TEST_SOURCES, "out")).encode())
+    try:
+        h.update(subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.encode())
+    except OSError:
+        pass
+    for name in sorted(set(TEST_SOURCES + bc.HEADERS)):
+        path = os.path.join(CSRC, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
+def cached_cpu_library(root) -> str:
+    """The CPU test library in ``root/capi-test-<key>/`` (:func:`cpu_library_key`), built there
+    once: compiled in a private directory and renamed into place, so a reader never sees a
+    partial one."""
+    final = os.path.join(root, f"capi-test-{cpu_library_key()}")
+    lib = os.path.join(final, "libpmg_wgrad_cpu.so")
+    if os.path.exists(lib):
+        return lib
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".capi-test-", dir=root)
+    try:
+        build(tmp, cuda=False)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process published it first
+            if not os.path.exists(lib):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return lib

@@ -1,4 +1,5 @@
-"""ctypes over csrc/wgrad_capi.cc: the cores, the GPU path's decisions and the fakes."""
+"""ctypes over the test/benchmark library: csrc/wgrad_capi.cc (the cores) and
+csrc/wgrad_capi_testing.cc (the GPU path's decisions and the fakes, test-only)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +11,7 @@ BIAS_MODE = {"auto": 0, "epilogue": 1, "kernel": 2}
 
 
 class FakeGpuConfig(ctypes.Structure):
-    """csrc/wgrad_capi.cc PmgFakeGpu: what the fake GPU of pmg_fake_cuda_core /
+    """csrc/wgrad_capi_testing.cc PmgFakeGpu: what the fake GPU of pmg_fake_cuda_core /
     pmg_fake_gpu_flow_ex answers (zeros: a 132-SM sm_90 whose epilogue algorithm is the plain
     GEMM's best, enough memory, nothing pending, every pointer on the call's device)."""
     i32, u64, f32 = ctypes.c_int32, ctypes.c_uint64, ctypes.c_float
@@ -36,7 +37,7 @@ ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 class Core:
-    """ctypes wrapper of csrc/wgrad_capi.cc."""
+    """ctypes wrapper of the test/benchmark library (pmg_gpu_bench.build)."""
 
     FakeGpuConfig = FakeGpuConfig
 
