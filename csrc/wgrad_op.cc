@@ -404,6 +404,16 @@ std::vector<paddle::DataType> BackendInfoInferDtype(const paddle::DataType&) {
 
 }  // namespace
 
+// In place, undeclared: given DWeight / DBias, the kernel accumulates into them and returns
+// them as DWeightOut / DBiasOut (the same storage); not given, it allocates DWeightOut /
+// DBiasOut and writes them with beta 0 (no zero fill).  SetInplaceMap cannot say that: Paddle's
+// custom-op in-place mapping (2.6 and 3.x alike) makes the output of an optional in-place input
+// a paddle::Optional output that is left uninitialized -- None in Python -- when the input is
+// absent, so the freshly allocated gradient of the first micro-batch would be lost.  Declaring
+// it would need every caller to allocate and zero the accumulators first (an extra pass over
+// each weight gradient) or a second op.  The writes go only to the gradient buffers paddle_mgrad
+// itself passes from the backward (param.main_grad, the bias gradient); tests/ops/test_ops.py
+// test_raw_op_writes_given_accumulators_in_place_and_allocates_absent_ones checks both halves.
 PD_BUILD_OP(pmg_fused_wgrad_add)
     .Inputs({"X", "DOut", paddle::Optional("DWeight"), paddle::Optional("DBias")})
     .Outputs({"DWeightOut", "DBiasOut"})

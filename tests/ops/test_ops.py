@@ -12,6 +12,7 @@ import paddle
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from helpers import require_cpp_op
 from paddle_mgrad import EnvError, FusedLinearError, env, ops
 from paddle_mgrad.ops import _inputs, _reference
 
@@ -522,6 +523,26 @@ def test_zero_size_raw_op(M, K, N):
     fresh_w, fresh_b = module.pmg_fused_wgrad_add(x, dy, None, None, True, True)
     np.testing.assert_array_equal(fresh_w.numpy(), np.full([K, N], float(M)))
     np.testing.assert_array_equal(fresh_b.numpy(), np.full([N], float(M)))
+
+
+def test_raw_op_writes_given_accumulators_in_place_and_allocates_absent_ones():
+    """Why pmg_fused_wgrad_add does not declare its in-place writes with SetInplaceMap (the
+    comment at its registration): given DWeight / DBias are written in place and returned (the
+    same storage), absent ones come back freshly allocated -- an optional in-place output would
+    be None there."""
+    module = require_cpp_op()
+    x, dy = paddle.ones([3, 2]), paddle.ones([3, 4])
+    dw, db = paddle.full([2, 4], 1.0), paddle.full([4], 2.0)
+    ptrs = dw.data_ptr(), db.data_ptr()
+    out_w, out_b = module.pmg_fused_wgrad_add(x, dy, dw, db, True, True)
+    assert (out_w.data_ptr(), out_b.data_ptr()) == ptrs
+    np.testing.assert_array_equal(dw.numpy(), np.full([2, 4], 4.0))  # the input itself
+    np.testing.assert_array_equal(db.numpy(), np.full([4], 5.0))
+    fresh_w, fresh_b = module.pmg_fused_wgrad_add(x, dy, None, None, True, True)
+    assert fresh_w is not None and fresh_b is not None
+    assert fresh_w.data_ptr() not in ptrs and fresh_b.data_ptr() not in ptrs
+    np.testing.assert_array_equal(fresh_w.numpy(), np.full([2, 4], 3.0))
+    np.testing.assert_array_equal(fresh_b.numpy(), np.full([4], 3.0))
 
 
 def _linear_grads(fn, xn, wn, bn, dtype="float32", main_grad=False):
