@@ -1,15 +1,16 @@
 // The Python fast entry of the op library: three CPython functions for the fused linear's hot
 // path (paddle_mgrad/linear.py, paddle_mgrad/ops), reached without Paddle's custom-op dispatch.
 //
-//   route(x, weight, bias, transpose_weight) -> (dtype name, where) | None | False
+//   route(x, weight, bias, transpose_weight) -> RouteFacts | None | False | NotImplemented
 //     What linear._route decides from x/weight/bias's meta (type, dense, rank, dtype, shape,
 //     place), in the same order, in one call instead of about a dozen calls into Paddle: None
 //     when the call is Paddle's, False when x's last dim does not match the weight (the caller
-//     raises its error naming the shapes), else the facts the PyLayer keeps.  "where" is "cpu"
-//     or "gpu" for the common case of the fast backward (CPU or CUDA tensors, K, N > 0), else
-//     None.  Anything unexpected (a C++ exception reading a meta, say of an
-//     uninitialized tensor) returns NotImplemented: the caller asks Python's _route, which
-//     behaves as it always did.  stop_gradient and grad mode stay with the Python caller
+//     raises its error naming the shapes), else the facts the PyLayer keeps: a
+//     RouteFacts(dtype, where) (paddle_mgrad/ops/_inputs.py, made once per combination by
+//     pmg_fast_module).  "where" is "cpu" or "gpu" for the common case of the fast backward
+//     (CPU or CUDA tensors, K, N > 0), else None.  Anything unexpected (a C++ exception reading
+//     a meta, say of an uninitialized tensor) returns NotImplemented: the caller asks Python's
+//     _route, which behaves as it always did.  stop_gradient and grad mode stay with the Python caller
 //     (attribute reads; the autograd meta's layout is not in Paddle's published headers).
 //
 //   linear_bwd(x, dout, weight, dweight, dbias, has_bias) -> (dx, dweight_out, dbias_out) | None
@@ -65,7 +66,7 @@ namespace {
 
 namespace pb = paddle::pybind;
 
-// (dtype name, where) tuples, made once: the route's answers; where: None, "cpu", "gpu"
+// RouteFacts(dtype name, where), made once: the route's answers; where: None, "cpu", "gpu"
 PyObject* g_facts[4][3];
 const char* const kWhere[3] = {nullptr, "cpu", "gpu"};
 const char* const kDtypeNames[4] = {"float32", "bfloat16", "float16", "float64"};
@@ -258,8 +259,10 @@ PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "paddle_mgrad_fast_entry",
 }  // namespace
 
 // The entry's module, made once per process; None when this Paddle lacks an accessor the entry
-// needs.  Called through ctypes.PyDLL (with the GIL) by paddle_mgrad/ops/_build.py.
-extern "C" PyObject* pmg_fast_module() {
+// needs.  ``facts_type``: the class of the route's answers, called once per (dtype, where)
+// (paddle_mgrad.ops._inputs.RouteFacts).  Called through ctypes.PyDLL (with the GIL) by
+// paddle_mgrad/ops/_build.py.
+extern "C" PyObject* pmg_fast_module(PyObject* facts_type) {
   static PyObject* module = nullptr;
   if (module) {
     Py_INCREF(module);
@@ -268,7 +271,8 @@ extern "C" PyObject* pmg_fast_module() {
   if (!pb::PyCheckTensor || !pb::CastPyArg2Tensor || !pb::ToPyObject) return py_none();
   for (int d = 0; d < 4; ++d)
     for (int w = 0; w < 3; ++w) {
-      if (!g_facts[d][w]) g_facts[d][w] = Py_BuildValue("(sz)", kDtypeNames[d], kWhere[w]);
+      if (!g_facts[d][w])
+        g_facts[d][w] = PyObject_CallFunction(facts_type, "sz", kDtypeNames[d], kWhere[w]);
       if (!g_facts[d][w]) return nullptr;
     }
   module = PyModule_Create(&g_module);

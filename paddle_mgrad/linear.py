@@ -49,6 +49,7 @@ from .autograd import (
     recomputing as _recomputing,
 )
 from .errors import FusedLinearError
+from .ops._inputs import RouteFacts
 from .registry import original
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
@@ -262,7 +263,7 @@ def _backward_fast(ctx, x, dy, weight, bias):
     Returns the backward's result, or None for any other case, and when the kernel refuses the
     call: nothing was written then, and the general path (:func:`weight_and_bias_grads`) runs
     every check in Python and raises the usual error."""
-    x_name, where = ctx.facts
+    x_name, where = ctx.facts.dtype, ctx.facts.where
     if tracer()._has_grad or weight.stop_gradient or not MAIN_GRAD_IN_DICT:
         return None
     if _dtname(dy.dtype) != x_name:
@@ -420,9 +421,16 @@ def _paddle_linear(x, weight, bias):
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc).
 
-    ``facts``: what :func:`_route` found out about the inputs (``(dtype name, where)``),
-    kept on ``ctx`` so that the backward does not ask Paddle again; None when the caller did
-    not route (the general backward then asks)."""
+    ``facts``: the :class:`RouteFacts` :func:`_route` found for the inputs, kept on ``ctx``
+    so that the backward asks Paddle nothing again; None when the caller did not route (the
+    checked backward then asks).
+
+    The backward of an ordinary ``backward()`` is one decision and two paths:
+    :func:`_backward_fast` (one call into the op library's fast entry) when the forward's
+    facts name the common case and the entry takes the call, else :func:`_backward_checked`
+    (every rule checked in Python, the op through its tier).  A ``paddle.grad`` pass computes
+    plain gradients instead (:func:`functional_grads`).  The table is in
+    docs/how-it-works.md."""
 
     @staticmethod
     def forward(ctx, x, weight, bias=None, transpose_weight=False, facts=None):
@@ -432,10 +440,10 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
                 y = y + bias
         else:
             y = _paddle_linear(x, weight, bias)
-        stash_for_backward(ctx, x, weight, bias, None if facts is None else facts[0])
+        stash_for_backward(ctx, x, weight, bias, None if facts is None else facts.dtype)
         ctx.transpose_weight = transpose_weight
         # the common case's backward (_backward_fast): a [K, N] weight on the CPU or a GPU
-        ctx.facts = facts if facts is not None and facts[1] and not transpose_weight else None
+        ctx.facts = facts if facts is not None and facts.where and not transpose_weight else None
         stats.bump(stats.linear, "forward")
         return y
 
@@ -455,25 +463,31 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         weight = getattr(weight, "__dict__", NO_ATTRS).get(ORIGIN, weight)
         if bias is not None:
             bias = getattr(bias, "__dict__", NO_ATTRS).get(ORIGIN, bias)
-        if ctx.facts is not None:
-            done = _backward_fast(ctx, x, dy, weight, bias)
-            if done is not None:
-                autograd_passes.ran(ctx)
-                return done
-        stats.bump(stats.linear, "backward")
-        names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
-        dx = None
-        if ctx.x_needs_grad:
-            dx = input_grad(dy, weight, ctx.transpose_weight, x.dtype, names)
-        if tracer()._has_grad:  # create_graph: the accumulation is no part of any graph
-            with paddle.no_grad():
-                dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
-        else:  # an ordinary backward runs with grad off already
-            dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
+        done = None if ctx.facts is None else _backward_fast(ctx, x, dy, weight, bias)
+        if done is None:
+            done = _backward_checked(ctx, x, dy, weight, bias)
         autograd_passes.ran(ctx)
-        if bias is None:
-            return dx, dw
-        return dx, dw, db
+        return done
+
+
+def _backward_checked(ctx, x, dy, weight, bias):
+    """The ordinary backward of :class:`FusedLinearWithGradAdd` in every case: ``dx`` by
+    :func:`input_grad`, the weight/bias gradients by :func:`weight_and_bias_grads` (each
+    accumulator rule checked in Python, the op through the tier for the tensors' place).
+    Returns the backward's result."""
+    stats.bump(stats.linear, "backward")
+    names = (_dtname(x.dtype), _dtname(dy.dtype), _dtname(weight.dtype))
+    dx = None
+    if ctx.x_needs_grad:
+        dx = input_grad(dy, weight, ctx.transpose_weight, x.dtype, names)
+    if tracer()._has_grad:  # create_graph: the accumulation is no part of any graph
+        with paddle.no_grad():
+            dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
+    else:  # an ordinary backward runs with grad off already
+        dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
+    if bias is None:
+        return dx, dw
+    return dx, dw, db
 
 
 # what :func:`_route` reads: ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` on
@@ -487,10 +501,17 @@ _recomputing_state = _recomputing.state
 # ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
 _CPU_PLACE = str(paddle.CPUPlace())
 
+# The answers of the op library's fast entry (``ops.fast_route``, csrc/wgrad_pyentry.cc) besides
+# None (Paddle's call) and a RouteFacts (ours):
+#: x's last dim does not match the weight: :func:`_route_meta` raises the error naming the shapes
+ENTRY_SHAPE_MISMATCH = False
+#: a meta the entry could not read (say of an uninitialized tensor): Python asks Paddle itself
+ENTRY_UNDECIDED = NotImplemented
+
 
 def _route(x, weight, bias, transpose_weight=False):
-    """None when the call goes to Paddle's own function unchanged; else the facts our
-    PyLayer keeps for its backward: ``(dtype name, where)``.
+    """None when the call goes to Paddle's own function unchanged; else the
+    :class:`RouteFacts` our PyLayer keeps for its backward.
 
     The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
     grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
@@ -519,12 +540,11 @@ def _route(x, weight, bias, transpose_weight=False):
         facts = fast(x, weight, bias, transpose_weight)
         if facts is None:
             return None
-        if facts is not False and facts is not NotImplemented:
+        if facts is not ENTRY_SHAPE_MISMATCH and facts is not ENTRY_UNDECIDED:
             if weight.stop_gradient and (bias is None or bias.stop_gradient):
                 return None  # nothing to accumulate
             return facts
-        # False (x does not match the weight: the error below names the shapes) or
-        # NotImplemented (a meta Paddle would not give, say of an uninitialized tensor)
+        # the error below names the shapes, or Python asks what the entry could not
     return _route_meta(x, weight, bias, transpose_weight)
 
 
@@ -559,10 +579,10 @@ def _route_meta(x, weight, bias, transpose_weight):
         backward_errors.record(error)  # (in a recomputation: see stash_for_backward)
         raise error
     if k <= 0 or n <= 0:
-        return x_name, None
+        return RouteFacts(x_name, None)
     if place == _CPU_PLACE:
-        return x_name, "cpu"
-    return x_name, "gpu" if x.place.is_gpu_place() else None  # (CUDA-pinned memory is not)
+        return RouteFacts(x_name, "cpu")
+    return RouteFacts(x_name, "gpu" if x.place.is_gpu_place() else None)  # (not CUDA-pinned)
 
 
 def fused_linear(x, weight, bias=None, name=None):

@@ -463,7 +463,8 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
 
     def route(*args):
         facts = real_route(*args)
-        return (facts[0], "gpu") if isinstance(facts, tuple) and facts[1] == "cpu" else facts
+        return facts._replace(where="gpu") if isinstance(facts, _inputs.RouteFacts) and facts.where == "cpu" \
+            else facts
 
     monkeypatch.setattr(ops, "fast_route", route)
     monkeypatch.setitem(ops._state, "gpu", gpu_tier)

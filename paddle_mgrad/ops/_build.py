@@ -87,6 +87,7 @@ from ._cache import (  # (_write_new: the tests reach the cache through _build)
     _write_new,
 )
 from ._compiler import compile_into
+from ._inputs import RouteFacts
 from ._locking import _discard_partials, _install, _locked
 
 log = logging.getLogger("paddle_mgrad")
@@ -243,8 +244,8 @@ def _fast_entry(via):
     try:
         make = ctypes.PyDLL(via).pmg_fast_module
         make.restype = ctypes.py_object
-        make.argtypes = []
-        return make()
+        make.argtypes = [ctypes.py_object]
+        return make(RouteFacts)
     except Exception as e:  # the op works without it (custom-op dispatch): say why, go on
         log.warning("paddle_mgrad: the op library's fast entry is unavailable (%s: %s)",
                     type(e).__name__, e)

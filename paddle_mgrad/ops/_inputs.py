@@ -12,12 +12,27 @@ devices this machine does not have).
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import numpy as np
 
 from .._compat import paddle
 from ..errors import FusedLinearError
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
+
+
+class RouteFacts(NamedTuple):
+    """What routing a linear call found out about its inputs, when the call is ours
+    (``paddle_mgrad.linear._route``): kept on the PyLayer's ``ctx`` so that its backward
+    asks Paddle nothing again.  The op library's fast entry answers with these objects, one
+    per combination, made once (``csrc/wgrad_pyentry.cc``)."""
+
+    #: the one dtype name of ``x``, ``weight`` (and ``bias``), one of :data:`SUPPORTED`
+    dtype: str
+    #: ``"cpu"`` or ``"gpu"`` (CUDA) with K, N > 0: the fast backward's common case; None for
+    #: a zero-size product or another place (the checked backward)
+    where: Optional[str]
 
 
 def _dtype_name_slow(dt) -> str:

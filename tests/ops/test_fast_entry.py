@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from helpers import require_cpp_op
 from paddle_mgrad import linear as L, ops
+from paddle_mgrad.ops import _inputs
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +269,8 @@ def _linear_args(draw):
 
 def _answer(x, w, b, transpose):
     try:
-        return ("ok", L._route(x, w, b, transpose))
+        facts = L._route(x, w, b, transpose)
+        return ("ok", facts, type(facts).__name__)  # (a RouteFacts, from either route)
     except Exception as e:  # noqa: BLE001 -- compared: type and text
         return ("raised", type(e), str(e))
 
@@ -292,7 +294,9 @@ def test_route_common_cases(entry):
     w = paddle.create_parameter([4, 3], "float32")
     b = paddle.create_parameter([3], "float32")
     x = paddle.randn([2, 5, 4])
-    assert ops.fast_route(x, w, b, False) == ("float32", "cpu")
+    facts = ops.fast_route(x, w, b, False)
+    assert type(facts) is _inputs.RouteFacts and (facts.dtype, facts.where) == ("float32", "cpu")
+    assert ops.fast_route(x, w, b, False) is facts  # made once per combination
     assert ops.fast_route(x, w, None, False) == ("float32", "cpu")
     assert ops.fast_route(x, w.T, None, True) == ("float32", "cpu")
     assert ops.fast_route(paddle.randn([2, 3]), w, b, False) is False  # K mismatch
@@ -422,3 +426,50 @@ def test_a_failing_entry_lookup_leaves_the_op_working(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="paddle_mgrad"):
         assert _build._fast_entry("/nonexistent.so") is None
     assert "fast entry is unavailable" in caplog.text and "OSError" in caplog.text
+
+
+_DT = ("float32", "bfloat16", "float16", "float64", "int32")
+
+
+@st.composite
+def _wgrad_calls(draw):
+    """A ``pmg_fused_wgrad_add`` call of dense contiguous CPU tensors, valid or not: ranks,
+    leading dims, dtypes of the inputs and of each accumulator, shapes, the two flags."""
+    rank = draw(st.integers(1, 3))
+    lead = draw(st.lists(st.integers(1, 3), min_size=rank - 1, max_size=rank - 1))
+    k, n = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    x_dt = draw(st.sampled_from(_DT[:4])) if draw(st.integers(0, 7)) else "int32"
+    dy_dt = x_dt if draw(st.integers(0, 3)) else draw(st.sampled_from(_DT))
+    dy_lead = lead if draw(st.integers(0, 5)) else [d + 1 for d in lead]
+    mp, has_bias = draw(st.booleans()), draw(st.booleans())
+
+    def acc(shape):  # (after x_dt: it draws from it)
+        if draw(st.booleans()):
+            return None
+        if not draw(st.integers(0, 4)):  # a wrong shape
+            shape = [s + 1 for s in shape]
+        # float32 (the multi-precision type) and x's own dtype drawn most often
+        return paddle.zeros(shape, draw(st.sampled_from(("float32", x_dt) * 2 + _DT)))
+
+    x = paddle.ones(lead + [k], "float32").astype(x_dt)
+    dy = paddle.ones(dy_lead + [n], "float32").astype(dy_dt)
+    return x, dy, acc([k, n]), acc([n]), mp, has_bias
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(call=_wgrad_calls())
+def test_the_op_and_the_python_check_refuse_the_same_calls(entry, call):
+    """Each input rule is the C++ core's (``check_args``): the op refuses a call exactly when
+    ``ops._inputs.check`` -- what raises the refusal as a FusedLinearError naming the shapes --
+    finds it bad, over calls hypothesis draws."""
+    x, dy, dw, db, mp, has_bias = call
+    try:
+        _inputs.check(x, dy, dw, db, mp, has_bias)
+        python_refuses = False
+    except Exception:  # noqa: BLE001 -- the verdict is compared
+        python_refuses = True
+    op_refuses = entry.wgrad_add(x, dy, dw, db if has_bias else None, mp, has_bias) is None
+    event(f"refused: {python_refuses}")
+    assert op_refuses == python_refuses, (python_refuses, [
+        None if t is None else (list(t.shape), str(t.dtype)) for t in (x, dy, dw, db)], mp,
+        has_bias)
