@@ -2,7 +2,7 @@
 // path (paddle_mgrad/linear.py, paddle_mgrad/ops), reached without Paddle's custom-op dispatch.
 //
 //   route(x, weight, bias, transpose_weight) -> RouteFacts | None | False | NotImplemented
-//     What linear._route decides from x/weight/bias's meta (type, dense, rank, dtype, shape,
+//     What routing.route decides from x/weight/bias's meta (type, dense, rank, dtype, shape,
 //     place), in the same order, in one call instead of about a dozen calls into Paddle: None
 //     when the call is Paddle's, False when x's last dim does not match the weight (the caller
 //     raises its error naming the shapes), else the facts the PyLayer keeps: a
@@ -243,7 +243,7 @@ PyObject* wgrad_add(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef g_methods[] = {
     {"route", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(route)), METH_FASTCALL,
-     "linear._route's answer from the tensors' meta in one call (wgrad_pyentry.cc)."},
+     "routing.route's answer from the tensors' meta in one call (wgrad_pyentry.cc)."},
     {"linear_bwd",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(linear_bwd)), METH_FASTCALL,
      "A float32/float64 CPU linear's backward in one call (wgrad_pyentry.cc)."},

@@ -49,8 +49,8 @@ from .autograd import (
     recomputing as _recomputing,
 )
 from .errors import FusedLinearError
-from .ops._inputs import RouteFacts
 from .registry import original
+from .routing import route
 
 __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 
@@ -246,7 +246,7 @@ _ONE_CALL_DTYPES = frozenset(("float32", "float64"))
 def _backward_fast(ctx, x, dy, weight, bias):
     """The ordinary backward of :class:`FusedLinearWithGradAdd` in its common case, in few steps.
 
-    The forward found (``ctx.facts``, from :func:`_route`): ``x``, ``weight`` (``[K, N]``) and
+    The forward found (``ctx.facts``, from :func:`.routing.route`): ``x``, ``weight`` (``[K, N]``) and
     ``bias`` (or None) plain dense tensors of one dtype, K, N > 0, on the CPU or on a GPU.
     Here: grad mode off (no ``create_graph``), ``dy`` of that dtype (no autocast), weight and
     bias needing a gradient, each with a ``main_grad`` attribute and no user gradient hook,
@@ -421,7 +421,7 @@ def _paddle_linear(x, weight, bias):
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """``y = x·W + b`` with weight/bias gradients accumulated in place (see module doc).
 
-    ``facts``: the :class:`RouteFacts` :func:`_route` found for the inputs, kept on ``ctx``
+    ``facts``: the ``RouteFacts`` :func:`.routing.route` found for the inputs, kept on ``ctx``
     so that the backward asks Paddle nothing again; None when the caller did not route (the
     checked backward then asks).
 
@@ -490,104 +490,16 @@ def _backward_checked(ctx, x, dy, weight, bias):
     return dx, dw, db
 
 
-# what :func:`_route` reads: ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` on
-# Paddle 2.6 and 3.x (a thread-local of paddle.base.framework); the eager Tensor class
+# ``paddle.in_dynamic_mode()`` is ``_dygraph_tracer_ is not None`` (a thread-local of
+# paddle.base.framework, 2.6 and 3.x); where :func:`fused_linear` learns that a recomputation
+# re-runs it (``.pack``)
 _global_var = _compat.global_var
-_Tensor = _compat.core.eager.Tensor
-# where :func:`fused_linear` learns that a recomputation re-runs it (``.pack``)
 _recomputing_state = _recomputing.state
-
-
-# ``Tensor._place_str`` of a CPU tensor: the text of Paddle's CPUPlace (no tensor made at import)
-_CPU_PLACE = str(paddle.CPUPlace())
-
-# The answers of the op library's fast entry (``ops.fast_route``, csrc/wgrad_pyentry.cc) besides
-# None (Paddle's call) and a RouteFacts (ours):
-#: x's last dim does not match the weight: :func:`_route_meta` raises the error naming the shapes
-ENTRY_SHAPE_MISMATCH = False
-#: a meta the entry could not read (say of an uninitialized tensor): Python asks Paddle itself
-ENTRY_UNDECIDED = NotImplemented
-
-
-def _route(x, weight, bias, transpose_weight=False):
-    """None when the call goes to Paddle's own function unchanged; else the
-    :class:`RouteFacts` our PyLayer keeps for its backward.
-
-    The PyLayer takes only what it computes exactly like Paddle: dynamic mode with
-    grad on and a weight/bias that needs a gradient; ``x``, ``weight`` (and ``bias``)
-    plain dense eager tensors (not numpy arrays, tuples, SelectedRows or dist tensors:
-    ``is_dense()`` is False for the last two on Paddle 2.6 and 3.x alike) of one dtype the
-    op supports, on one place (zero-size included: the
-    op handles K = 0 / N = 0 / M = 0, and main_grad still receives the gradient);
-    ``weight`` 2-D, ``x`` at least 2-D, ``bias`` None or 1-D ``[N]``.  Everything
-    else -- Paddle 2.6's ``linear((x,), w)`` (``recompute_sequential`` does that),
-    numpy inputs, 1-D ``x``, broadcast biases, dtype mixes --
-    is Paddle's, with Paddle's result or Paddle's error.  A mismatched ``x``/``weight``
-    inner dimension stays ours: it raises a ValueError (:class:`FusedLinearError`) naming
-    the shapes.  "where" is ``"cpu"`` or ``"gpu"`` (CUDA) with K, N > 0 (the common case of
-    :func:`_backward_fast`), else None (a zero-size product, another place: the general
-    backward).
-    """
-    tr = _global_var._dygraph_tracer_  # paddle.in_dynamic_mode(): not None
-    if tr is None or not tr._has_grad:
-        return None
-    # Every question to Paddle is a call into it, and in a model's step (Paddle's code and ours
-    # competing for the CPU's caches) each costs about a microsecond, several times its cost in
-    # a loop of its own: once the op library is loaded, its fast entry answers the meta
-    # questions below in one call (csrc/wgrad_pyentry.cc: the same checks in the same order).
-    fast = ops.fast_route
-    if fast is not None:
-        facts = fast(x, weight, bias, transpose_weight)
-        if facts is None:
-            return None
-        if facts is not ENTRY_SHAPE_MISMATCH and facts is not ENTRY_UNDECIDED:
-            if weight.stop_gradient and (bias is None or bias.stop_gradient):
-                return None  # nothing to accumulate
-            return facts
-        # the error below names the shapes, or Python asks what the entry could not
-    return _route_meta(x, weight, bias, transpose_weight)
-
-
-def _route_meta(x, weight, bias, transpose_weight):
-    """:func:`_route` after grad mode, asking Paddle question by question (before the op
-    library is loaded, and where its fast entry leaves the answer to Python)."""
-    # cheapest first; each dtype, shape and place is asked once
-    if not (isinstance(x, _Tensor) and isinstance(weight, _Tensor) and x.is_dense()
-            and weight.is_dense()):
-        return None
-    if bias is not None and not (isinstance(bias, _Tensor) and bias.is_dense()):
-        return None
-    if weight.stop_gradient and (bias is None or bias.stop_gradient):
-        return None  # nothing to accumulate
-    w_shape, x_shape = weight.shape, x.shape
-    if len(w_shape) != 2 or len(x_shape) < 2:
-        return None
-    x_name = _dtname(x.dtype)
-    if x_name not in ops._SUPPORTED or _dtname(weight.dtype) != x_name:
-        return None
-    k, n = (w_shape[1], w_shape[0]) if transpose_weight else w_shape
-    if bias is not None and (bias.shape != [n] or _dtname(bias.dtype) != x_name):
-        return None
-    # one string per tensor (each ``.place`` read builds a Place object: several times dearer)
-    place = x._place_str
-    if place != weight._place_str:
-        return None
-    if x_shape[-1] != k:
-        error = FusedLinearError(
-            f"fused_linear: x {list(x_shape)} does not match weight {list(w_shape)} "
-            f"(x's last dim must be {k})")
-        backward_errors.record(error)  # (in a recomputation: see stash_for_backward)
-        raise error
-    if k <= 0 or n <= 0:
-        return RouteFacts(x_name, None)
-    if place == _CPU_PLACE:
-        return RouteFacts(x_name, "cpu")
-    return RouteFacts(x_name, "gpu" if x.place.is_gpu_place() else None)  # (not CUDA-pinned)
 
 
 def fused_linear(x, weight, bias=None, name=None):
     """Drop-in for ``paddle.nn.functional.linear`` with fused in-place weight gradients."""
-    facts = _route(x, weight, bias)
+    facts = route(x, weight, bias)
     if facts is None:
         return original("linear")(x, weight, bias, name)
     pack = getattr(_recomputing_state, "pack", None)
@@ -624,7 +536,7 @@ def _recomputed_linear(x, weight, bias, pack):
     if found is not None:
         return _recomputing.replayed_output(found[0].detach(), found[1])
     tr = _global_var._dygraph_tracer_
-    has_grad = tr._has_grad  # (on: _route saw it)
+    has_grad = tr._has_grad  # (on: route saw it)
     tr._has_grad = False
     try:
         y = _paddle_linear(x, weight, bias)
@@ -656,7 +568,7 @@ def apply_under_policy(apply, x, weight, *args):
 
 def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):
     """Drop-in for ``paddle.incubate.nn.functional.fused_linear``."""
-    facts = _route(x, weight, bias, transpose_weight)
+    facts = route(x, weight, bias, transpose_weight)
     if facts is None:
         return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)
     return FusedLinearWithGradAdd.apply(x, weight, bias, transpose_weight, facts)

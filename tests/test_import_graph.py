@@ -94,7 +94,7 @@ WINGS = (
     (2, "front", ("paddle_mgrad", "paddle_mgrad.autoload", "paddle_mgrad.trainer")),
     (3, "switch", ("paddle_mgrad.switch",)),
     (4, "fleet", ("paddle_mgrad.fleet",)),
-    (5, "linear", ("paddle_mgrad.linear",)),
+    (5, "linear", ("paddle_mgrad.linear", "paddle_mgrad.routing")),
     (5, "recomputation", ("paddle_mgrad.recomputation",)),
     (6, "autograd", ("paddle_mgrad.autograd",)),
     (7, "ops", ("paddle_mgrad.ops",)),

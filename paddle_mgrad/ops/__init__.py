@@ -51,7 +51,7 @@ __all__ = ["fused_linear_param_grad_add", "backend", "backends", "describe", "cp
 _lock = threading.Lock()
 _state = {"module": None, "backend": None, "why": None, "cpu": None, "gpu": None,
           "cuda_why": None, "fast": None}
-#: the op library's ``route`` (``csrc/wgrad_pyentry.cc``: linear._route's answer from the
+#: the op library's ``route`` (``csrc/wgrad_pyentry.cc``: routing.route's answer from the
 #: tensors' meta in one call) once the library is loaded with its fast entry, else None
 fast_route = None
 _GEMM_NAMES = {"cpp-onednn": "C++ op, oneDNN GEMM", "cpp-portable": "C++ op, OpenMP GEMM",

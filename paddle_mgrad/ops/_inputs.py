@@ -24,7 +24,7 @@ SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 
 class RouteFacts(NamedTuple):
     """What routing a linear call found out about its inputs, when the call is ours
-    (``paddle_mgrad.linear._route``): kept on the PyLayer's ``ctx`` so that its backward
+    (``paddle_mgrad.routing.route``): kept on the PyLayer's ``ctx`` so that its backward
     asks Paddle nothing again.  The op library's fast entry answers with these objects, one
     per combination, made once (``csrc/wgrad_pyentry.cc``)."""
 

@@ -9,7 +9,7 @@ custom-op dispatch (it costs the host more than the kernels at small shapes).
   inputs, given or missing accumulators).  A call the entry does not take (strided tensors,
   non-tensors) or the kernel refuses (M = 0 / N = 0, every bad shape or dtype) returns None
   and writes nothing.
-* ``route`` -- the same answer as ``linear._route`` asking Paddle question by question, over
+* ``route`` -- the same answer as ``routing.route`` asking Paddle question by question, over
   inputs hypothesis draws (tensors, parameters, numpy, tuples, ranks 0-3, zero sizes, dtypes,
   strided views, frozen parameters, a transposed weight).  Places other than the CPU cannot be
   drawn on these machines (no GPU): the place comparison is covered by the fakes of test_ops.
@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from helpers import require_cpp_op
-from paddle_mgrad import linear as L, ops
+from paddle_mgrad import ops, routing
 from paddle_mgrad.ops import _inputs
 
 
@@ -269,7 +269,7 @@ def _linear_args(draw):
 
 def _answer(x, w, b, transpose):
     try:
-        facts = L._route(x, w, b, transpose)
+        facts = routing.route(x, w, b, transpose)
         return ("ok", facts, type(facts).__name__)  # (a RouteFacts, from either route)
     except Exception as e:  # noqa: BLE001 -- compared: type and text
         return ("raised", type(e), str(e))
@@ -278,7 +278,7 @@ def _answer(x, w, b, transpose):
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(args=_linear_args())
 def test_route_answers_as_python(entry, args):
-    """``_route`` with the fast entry == ``_route`` asking Paddle question by question."""
+    """``routing.route`` with the fast entry == asking Paddle question by question."""
     assert ops.fast_route is entry.route
     fast = _answer(*args)
     event(f"{fast[0]} {fast[1] if fast[0] == 'ok' else fast[1].__name__}")
