@@ -3,12 +3,12 @@ first calls of a kind of block are measured under full recompute, then the subla
 most replay time per byte are kept within the fraction.  Bit-identical to no recompute over the
 measured and the planned calls, in both modes; the choice follows the measured figures (a
 planner fed fixed figures); the measured bytes are what ``save:`` of the same sublayer keeps."""
-import numpy as np
 import paddle
+import policy_runs
 import pytest
 from decoder import ROWS, D, Decoder, custom_forward
 from paddle.distributed.fleet.utils import recompute as paddles_recompute
-from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+from policy_runs import assert_identical
 
 import paddle_mgrad
 from paddle_mgrad import EnvError, stats
@@ -20,32 +20,8 @@ STEPS = budget.MEASURED_CALLS + 2  # measured calls, then planned ones
 
 def train(how, policy=None, steps=STEPS):
     """``steps`` micro-steps of a :class:`decoder.Decoder` with recompute ``how`` ("none" or a
-    mode) under ``policy``; every result as numpy."""
-    paddle_mgrad.disable()
-    paddle_mgrad.enable(recompute=True, fused_linear=True)
-    try:
-        paddle.seed(11)
-        net = Decoder()
-        MixPrecisionLayer(net, dtype="float16")
-        rs = np.random.RandomState(2)
-        result = {}
-        for step in range(steps):
-            x = paddle.to_tensor(rs.standard_normal([ROWS, D]).astype("float32"))
-            x.stop_gradient = False
-            h = x * 1.0
-            if how == "none":
-                out = net(h)
-            else:
-                out = paddle_mgrad.recompute(custom_forward(net), h,
-                                             use_reentrant=how == "reentrant", policy=policy)
-            (out * paddle.arange(ROWS * D, dtype="float32").reshape([ROWS, D])).sum().backward()
-            result[f"out{step}"] = out.numpy()
-            result[f"x{step}.grad"] = x.grad.numpy()
-        for name, p in net.named_parameters():
-            result[name + ".main_grad"] = p.main_grad.numpy()
-        return result
-    finally:
-        paddle_mgrad.disable()
+    mode) under ``policy`` (:func:`policy_runs.train`)."""
+    return policy_runs.train(Decoder, how, policy, steps, block=custom_forward, rows=ROWS, d=D)
 
 
 @pytest.fixture
@@ -61,8 +37,7 @@ def fresh_plans(monkeypatch):
 def test_budget_equals_no_recompute(fresh_plans, mode, fraction):
     ref = train("none")
     got = train(mode, f"budget:{fraction}")
-    unequal = [k for k in ref if not np.array_equal(got[k], ref[k])]
-    assert not unequal, unequal
+    assert_identical(got, ref)
     name = f"budget:{float(fraction):g}"
     plan = stats.snapshot()["plans"][name]["Decoder"]
     counters = stats.snapshot()["policy"][name]

@@ -6,10 +6,11 @@ to the same model without recompute -- with in-place ops after a linear (each ki
 modes, with and without bias, over two micro-steps (``main_grad`` None, then accumulated)."""
 import numpy as np
 import paddle
+import policy_runs
 import pytest
 from in_place_ops import IN_PLACE
 from paddle.distributed.fleet.utils import recompute as paddles_recompute
-from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+from policy_runs import assert_identical
 
 import paddle_mgrad
 from paddle_mgrad import EnvError, linear, stats
@@ -53,44 +54,12 @@ def mlp_and_input():
 
 
 def train(how, policy=None, op=None, where="gate", bias=True, micro=2, after=None):
-    """``micro`` micro-steps of :class:`MLP` with recompute ``how`` ("none" or a mode) under
-    ``policy``; every result as numpy (or None).  ``after(out)`` runs on the block's output
-    before the loss (an in-place change after the block)."""
-    paddle_mgrad.disable()
-    paddle_mgrad.enable(recompute=True, fused_linear=True)
-    try:
-        paddle.seed(7)
-        net = MLP(None if op is None else IN_PLACE[op], where, bias)
-        MixPrecisionLayer(net, dtype="float16")
-        rs = np.random.RandomState(1)
-        result = {}
-        for step in range(micro):
-            x = paddle.to_tensor(rs.standard_normal([ROWS, D]).astype("float32"))
-            x.stop_gradient = False
-            h = net.pre(x)
-            if how == "none":
-                out = net.block(h)
-            else:
-                out = paddle_mgrad.recompute(net.block, h, use_reentrant=how == "reentrant",
-                                             policy=policy)
-            if after is not None:
-                after(out)
-            (out * paddle.arange(ROWS * D, dtype="float32").reshape([ROWS, D])).sum().backward()
-            result[f"out{step}"] = out.numpy()
-            result[f"x{step}.grad"] = x.grad.numpy()
-        for name, p in net.named_parameters():
-            result[name + ".grad"] = None if p.grad is None else p.grad.numpy()
-            result[name + ".main_grad"] = p.main_grad.numpy()
-        return result
-    finally:
-        paddle_mgrad.disable()
-
-
-def assert_identical(got, ref):
-    assert sorted(got) == sorted(ref)
-    unequal = [k for k in ref if not (got[k] is None and ref[k] is None)
-               and (got[k] is None or ref[k] is None or not np.array_equal(got[k], ref[k]))]
-    assert not unequal, unequal
+    """``micro`` micro-steps of :class:`MLP` (``pre`` outside the block) with recompute ``how``
+    ("none" or a mode) under ``policy`` (:func:`policy_runs.train`)."""
+    return policy_runs.train(lambda: MLP(None if op is None else IN_PLACE[op], where, bias), how,
+                             policy, micro, block=lambda net: net.block,
+                             block_input=lambda net, x: net.pre(x), after=after, seed=7,
+                             data_seed=1, rows=ROWS, d=D)
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])

@@ -12,11 +12,12 @@ import warnings
 
 import numpy as np
 import paddle
+import policy_runs
 import pytest
 from decoder import MLP, ROWS, D, Decoder, F, custom_forward
 from in_place_ops import IN_PLACE
 from paddle.distributed.fleet.utils import recompute as paddles_recompute
-from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
+from policy_runs import assert_identical
 
 import paddle_mgrad
 from helpers import PADDLE2
@@ -28,41 +29,10 @@ PADDLE2_REFUSAL = "On Paddle 2.6 non-reentrant recompute needs saved-tensor hook
 
 
 def train(how, policy=None, after=None, inside=None, micro=2, call=custom_forward):
-    """``micro`` micro-steps of a :class:`Decoder` (fp32 master grads) with recompute ``how``
-    ("none" or a mode) under ``policy``; every result as numpy."""
-    paddle_mgrad.disable()
-    paddle_mgrad.enable(recompute=True, fused_linear=True)
-    try:
-        paddle.seed(11)
-        net = Decoder(IN_PLACE.get(after), IN_PLACE.get(inside))
-        MixPrecisionLayer(net, dtype="float16")
-        rs = np.random.RandomState(2)
-        result = {}
-        for step in range(micro):
-            x = paddle.to_tensor(rs.standard_normal([ROWS, D]).astype("float32"))
-            x.stop_gradient = False
-            h = x * 1.0  # (the block's input is no leaf, as in a model)
-            if how == "none":
-                out = net(h)
-            else:
-                out = paddle_mgrad.recompute(call(net), h, use_reentrant=how == "reentrant",
-                                             policy=policy)
-            (out * paddle.arange(ROWS * D, dtype="float32").reshape([ROWS, D])).sum().backward()
-            result[f"out{step}"] = out.numpy()
-            result[f"x{step}.grad"] = x.grad.numpy()
-        for name, p in net.named_parameters():
-            result[name + ".grad"] = None if p.grad is None else p.grad.numpy()
-            result[name + ".main_grad"] = p.main_grad.numpy()
-        return result
-    finally:
-        paddle_mgrad.disable()
-
-
-def assert_identical(got, ref):
-    assert sorted(got) == sorted(ref)
-    unequal = [k for k in ref if not (got[k] is None and ref[k] is None)
-               and (got[k] is None or ref[k] is None or not np.array_equal(got[k], ref[k]))]
-    assert not unequal, unequal
+    """``micro`` micro-steps of a :class:`Decoder` with recompute ``how`` ("none" or a mode)
+    under ``policy`` (:func:`policy_runs.train`); ``call(net)`` is what recompute runs."""
+    return policy_runs.train(lambda: Decoder(IN_PLACE.get(after), IN_PLACE.get(inside)), how,
+                             policy, micro, block=call, rows=ROWS, d=D)
 
 
 def no_wrapper_left(net):
