@@ -49,12 +49,12 @@ def require_cpp_op(state=None):
     """The C++ op module, for a test of what only the C++ op does.  Skips only where the op was
     switched off on purpose (``PADDLE_MGRAD_OPS=python`` when it loaded); anywhere else the op
     must have been built and loaded, and a failed build fails the test with the build's error
-    instead of skipping it.  ``state``: ``ops._state`` as a test saved it (default: load now)."""
+    instead of skipping it.  ``state``: ``{"module": ops.load(), "why": ops.fallback_reason()}``
+    as a test saved it (default: load now)."""
     from paddle_mgrad import ops
 
     if state is None:
-        ops.load()
-        state = ops._state
+        state = {"module": ops.load(), "why": ops.fallback_reason()}
     if state["module"] is None and state.get("why") == "PADDLE_MGRAD_OPS=python":
         pytest.skip("PADDLE_MGRAD_OPS=python: the C++ op is switched off")
     assert state["module"] is not None, f"the C++ op did not load: {state.get('why')}"

@@ -3,7 +3,7 @@
 * :func:`paddle_mgrad.ops._inputs.dtype_name` -- a process-wide name lookup by object identity
   (Paddle 3.x) or ``(type, enum value)`` (Paddle 2.6), in place of ``str()``/``==``/hash on
   Paddle dtype objects;
-* ``ops._fast_cpu_call`` -- CPU calls let the C++ op validate (it does before writing); when it
+* ``ops.entries.fast_cpu_call`` -- CPU calls let the C++ op validate (it does before writing); when it
   refuses, the Python check runs and raises its usual error text;
 * no per-parameter facts are cached: a sequence of the events that could make such a cache
   stale (main_grad replaced / None, ``layer.to``, dtype casts, stop_gradient toggled,
@@ -22,7 +22,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 import paddle_mgrad
 from helpers import require_cpp_op
 from paddle_mgrad import FusedLinearError, linear as L, ops, stats
-from paddle_mgrad.ops import _inputs
+from paddle_mgrad.ops import _inputs, entries
 
 IS_2 = paddle.__version__.startswith("2.")
 
@@ -431,8 +431,8 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
     def no_runner(*args, **kwargs):
         raise AssertionError("the custom-op dispatch ran")
 
-    monkeypatch.setitem(ops._RAW, "run", no_runner)
-    monkeypatch.setitem(ops._RAW, "for", ops._state["module"])
+    monkeypatch.setitem(entries._RAW, "run", no_runner)
+    monkeypatch.setitem(entries._RAW, "for", ops.load())
     rs = np.random.RandomState(1)
     ours, ref = _layer_pair(True, True, rs)
     if dtype == "float64":
@@ -467,7 +467,6 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
             else facts
 
     monkeypatch.setattr(ops, "fast_route", route)
-    monkeypatch.setitem(ops._state, "gpu", gpu_tier)
     calls, checked = _spy_entry(monkeypatch, "gpu_entry"), []
 
     def general(*args, **kwargs):
@@ -480,8 +479,9 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
     ours, ref = _layer_pair(True, True, rs)
     for _ in range(2):  # first micro-step (main_grad None), then accumulation
         data = rs.standard_normal([3, 5]).astype("float32")
-        xs = [_squares_step(layer, data, fused, x_grad)
-              for layer, fused in ((ref, False), (ours, True))]
+        with ops.loader.settled(gpu=gpu_tier):
+            xs = [_squares_step(layer, data, fused, x_grad)
+                  for layer, fused in ((ref, False), (ours, True))]
         for p, q in zip(ours.parameters(), ref.parameters()):
             np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5,
                                        atol=1e-5)

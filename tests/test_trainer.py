@@ -78,8 +78,8 @@ def test_gpu_with_paddles_fused_op_is_accepted_and_logged(monkeypatch, capsys):
     from paddle_mgrad import ops
 
     monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")
-    monkeypatch.setattr(ops, "backends", lambda: {"cpu": "cpp-onednn", "gpu": "paddle-fused"})
-    info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
+    with ops.loader.settled(gpu="paddle-fused"):
+        info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
     assert info["fused_linear"] and paddle_mgrad.enabled()["fused_linear"]
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("paddle_mgrad: ") and "fused_linear on (op: cpp-" in err[-1]

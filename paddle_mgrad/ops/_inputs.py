@@ -7,8 +7,8 @@ two flags (:func:`flag`: a bool, or the ints 0/1, as Paddle's op takes them -- t
 :func:`acc_dtypes`) and places of every tensor, and raises
 :class:`~paddle_mgrad.FusedLinearError` naming the offending shapes and dtypes.
 
-Places are compared as ``str(t.place)`` through :func:`place` (a seam tests use to fake
-devices this machine does not have).
+Places are compared as ``str(t.place)`` through :func:`.devices.place` (which
+:func:`~paddle_mgrad.ops.override` fakes in tests, for devices this machine does not have).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from .._compat import paddle
 from ..errors import FusedLinearError
+from .devices import place
 
 SUPPORTED = ("float32", "bfloat16", "float16", "float64")
 
@@ -95,11 +96,6 @@ def acc_dtypes(dtype, multi_precision) -> set:
     the input dtype itself."""
     mp = mp_dtype(dtype)
     return {mp} if multi_precision else {mp, dtype_name(dtype)}
-
-
-def place(t) -> str:
-    """``str(t.place)``: ``Place(cpu)``, ``Place(gpu:0)``, ``Place(xpu:1)``..."""
-    return str(t.place)
 
 
 def flag(name, value) -> bool:

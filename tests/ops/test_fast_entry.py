@@ -378,7 +378,7 @@ def test_threads_stay_exact(entry):
     np.testing.assert_allclose(shared.numpy(), 100 * one, rtol=1e-4, atol=1e-3)
 
 
-def test_without_the_entry_the_linear_takes_the_checked_path(entry, monkeypatch):
+def test_without_the_entry_the_linear_takes_the_checked_path(entry):
     """A library without the fast entry (a Paddle lacking an accessor it needs): routing asks
     Python, the backward goes through the checked path (the custom op), gradients the same."""
     from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
@@ -403,10 +403,10 @@ def test_without_the_entry_the_linear_takes_the_checked_path(entry, monkeypatch)
         return [layer.weight.main_grad.numpy(), layer.bias.main_grad.numpy(), x.grad.numpy()]
 
     with_entry = grads()
-    monkeypatch.setitem(ops._state, "fast", None)
-    monkeypatch.setattr(ops, "fast_route", None)
-    assert ops.cpu_entry("float32") is None and ops.cpu_runner("float32") is not None
-    without = grads()
+    with ops.loader.settled(fast=None):
+        assert ops.fast_route is None
+        assert ops.cpu_entry("float32") is None and ops.cpu_runner("float32") is not None
+        without = grads()
     for a, b in zip(with_entry, without):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import require_cpp_op
 from paddle_mgrad import ops
-from paddle_mgrad.ops import _build, build_config as bc
+from paddle_mgrad.ops import _build, build_config as bc, devices, dispatch, loader
 
 
 # ------------------------------------------------------------------ fake toolkits and wheels
@@ -167,18 +167,16 @@ class _FakeTk:
 
 @pytest.fixture
 def fresh_ops(monkeypatch):
-    """ops' load state reset for the test and restored afterwards.  The real module is loaded
-    once per process (a custom-op library must not be imported twice) and handed back by a
-    stubbed ``_build.load_op_module``; tests replace the stub to fake a tier."""
-    ops.load()
-    saved = dict(ops._state)
-    ops._state.update(module=None, backend=None, why=None, cpu=None, gpu=None, cuda_why=None)
-    monkeypatch.setattr(_build, "load_op_module", lambda: (saved["module"], None))
-    if saved["module"] is None:
+    """ops unloaded for the test (``loader.unloaded``), what was settled restored afterwards.
+    The real module is loaded once per process (a custom-op library must not be imported twice)
+    and handed back by a stubbed ``_build.load_op_module``; tests replace the stub to fake a
+    tier.  Yields ``{"module", "why"}`` as the first load settled them."""
+    loaded = {"module": ops.load(), "why": ops.fallback_reason()}
+    monkeypatch.setattr(_build, "load_op_module", lambda: (loaded["module"], None))
+    if loaded["module"] is None:
         monkeypatch.setenv("PADDLE_MGRAD_OPS", "python")
-    yield saved
-    ops._state.clear()
-    ops._state.update(saved)
+    with loader.unloaded():
+        yield loaded
 
 
 def test_incomplete_toolkit_keeps_the_cpu_op_and_warns_once(monkeypatch, fresh_ops):
@@ -191,7 +189,7 @@ def test_incomplete_toolkit_keeps_the_cpu_op_and_warns_once(monkeypatch, fresh_o
         pmg_backend_info=lambda t: paddle.to_tensor(np.array([info[0], 0], "int32")))
     monkeypatch.setattr(_build, "load_op_module", lambda: (cpu_only, problem))
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
-    monkeypatch.setattr(ops, "_paddle_has_gpu_fused_op", lambda: True)
+    monkeypatch.setattr(loader, "_paddle_has_gpu_fused_op", lambda: True)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         b = ops.backend()
@@ -253,7 +251,7 @@ def test_cuda_flags_come_from_the_toolkit(monkeypatch):
 
 def test_cpu_paddle_has_no_gpu_fused_kernel():
     if not paddle.is_compiled_with_cuda():
-        assert ops._paddle_has_gpu_fused_op() is False
+        assert loader._paddle_has_gpu_fused_op() is False
 
 
 # ------------------------------------------------------------------ per-place dispatch (fake GPU)
@@ -267,11 +265,11 @@ def _data(dtype="float32", lead=(6, 5), k=4, n=3):
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch, fresh_ops):
-    """Every tensor looks like a GPU tensor; Paddle's fused op is a CPU stand-in that, like a
-    non-inplace kernel, returns NEW tensors (so our write-back into the accumulators is tested)."""
+def fake_gpu(monkeypatch):
+    """Every tensor is on ``Place(gpu:0)`` (``ops.override``); Paddle's fused op is a CPU
+    stand-in that, like a non-inplace kernel, returns NEW tensors (so our write-back into the
+    accumulators is tested).  Tests pick the GPU tier with ``loader.settled(gpu=...)``."""
     ops.load()
-    monkeypatch.setattr(ops, "_is_gpu", lambda t: True)
     calls = []
 
     def fake_fused(x, dout, dweight, dbias, multi_precision, has_bias):
@@ -287,20 +285,21 @@ def fake_gpu(monkeypatch, fresh_ops):
     from paddle import _C_ops
 
     monkeypatch.setattr(_C_ops, "fused_linear_param_grad_add", fake_fused, raising=False)
-    return calls
+    with ops.override(place="Place(gpu:0)"):
+        yield calls
 
 
 def test_gpu_tier_paddle_fused_accumulates_in_place(fake_gpu):
-    ops._state["gpu"] = "paddle-fused"
     x, dy, x2, y2 = _data()
     mg, mb = paddle.ones([4, 3]), paddle.ones([3])
     pw, pb = mg.data_ptr(), mb.data_ptr()
-    dw, db = ops.fused_linear_param_grad_add(x, dy, mg, mb, True, True)
-    assert fake_gpu and fake_gpu[-1][0] == [30, 4]
-    assert dw is mg and db is mb and mg.data_ptr() == pw and mb.data_ptr() == pb
-    np.testing.assert_allclose(mg.numpy(), 1 + x2.T @ y2, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(mb.numpy(), 1 + y2.sum(0), rtol=1e-5, atol=1e-5)
-    dw, db = ops.fused_linear_param_grad_add(x, dy, None, None, True, False)
+    with loader.settled(gpu="paddle-fused"):
+        dw, db = ops.fused_linear_param_grad_add(x, dy, mg, mb, True, True)
+        assert fake_gpu and fake_gpu[-1][0] == [30, 4]
+        assert dw is mg and db is mb and mg.data_ptr() == pw and mb.data_ptr() == pb
+        np.testing.assert_allclose(mg.numpy(), 1 + x2.T @ y2, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(mb.numpy(), 1 + y2.sum(0), rtol=1e-5, atol=1e-5)
+        dw, db = ops.fused_linear_param_grad_add(x, dy, None, None, True, False)
     assert db is None and dw.dtype == paddle.float32
     np.testing.assert_allclose(dw.numpy(), x2.T @ y2, rtol=1e-5, atol=1e-5)
 
@@ -308,13 +307,14 @@ def test_gpu_tier_paddle_fused_accumulates_in_place(fake_gpu):
 def test_gpu_tier_paddle_fused_skips_accumulators_it_does_not_take(fake_gpu):
     """fp32 accumulator without multi_precision for fp16 input: ours accepts it, Paddle's op
     wants the input dtype -> the pure-Paddle fallback, same result."""
-    ops._state["gpu"] = "paddle-fused"
     x, dy, x2, y2 = _data("float16")
     mg = paddle.zeros([4, 3])
-    ops.fused_linear_param_grad_add(x, dy, mg, None, False, False)
-    assert fake_gpu == []
-    np.testing.assert_allclose(mg.numpy(), x2.T @ y2, rtol=1e-3, atol=1e-3)
-    assert ops._tier_for(x, paddle.zeros([4, 3], "float16"), None, False, False) == "paddle-fused"
+    with loader.settled(gpu="paddle-fused"):
+        ops.fused_linear_param_grad_add(x, dy, mg, None, False, False)
+        assert fake_gpu == []
+        np.testing.assert_allclose(mg.numpy(), x2.T @ y2, rtol=1e-3, atol=1e-3)
+        tier = dispatch.tier_for(x, paddle.zeros([4, 3], "float16"), None, False, False)
+    assert tier == "paddle-fused"
 
 
 def test_gpu_tier_is_decided_once_not_per_call(fake_gpu, monkeypatch):
@@ -323,49 +323,48 @@ def test_gpu_tier_is_decided_once_not_per_call(fake_gpu, monkeypatch):
     build again (each of those is a slow query, and the host cost is per call)."""
     ops.load()
     for state, want_fake in (("paddle-fused", True), ("python", False)):
-        ops._state["gpu"] = state
 
         def boom(*a, **k):
             raise AssertionError("an expensive query ran per call")
 
-        monkeypatch.setattr(paddle, "is_compiled_with_cuda", boom)
-        monkeypatch.setattr(ops, "_paddle_has_gpu_fused_op", boom)
-        monkeypatch.setattr(_build, "load_op_module", boom)
-        monkeypatch.setattr(paddle.framework.core, "_get_all_register_op_kernels", boom,
-                            raising=False)
-        x, dy, x2, y2 = _data()
-        mg = paddle.zeros([4, 3])
-        fake_gpu.clear()
-        for _ in range(3):
-            ops.fused_linear_param_grad_add(x, dy, mg, None, True, False)
+        with loader.settled(gpu=state):
+            monkeypatch.setattr(paddle, "is_compiled_with_cuda", boom)
+            monkeypatch.setattr(loader, "_paddle_has_gpu_fused_op", boom)
+            monkeypatch.setattr(_build, "load_op_module", boom)
+            monkeypatch.setattr(paddle.framework.core, "_get_all_register_op_kernels", boom,
+                                raising=False)
+            x, dy, x2, y2 = _data()
+            mg = paddle.zeros([4, 3])
+            fake_gpu.clear()
+            for _ in range(3):
+                ops.fused_linear_param_grad_add(x, dy, mg, None, True, False)
         assert bool(fake_gpu) == want_fake and len(fake_gpu) in (0, 3)
         np.testing.assert_allclose(mg.numpy(), 3 * (x2.T @ y2), rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_tiers_ours_and_python(fake_gpu):
     x, dy, x2, y2 = _data()
-    ops._state["gpu"] = "cuda"
-    assert ops._tier_for(x, None, None, True, True) == ("cpp" if ops._state["module"] else "python")
-    ops._state["gpu"] = "python"
-    assert ops._tier_for(x, None, None, True, True) == "python"
+    with loader.settled(gpu="cuda"):
+        assert dispatch.tier_for(x, None, None, True, True) == ("cpp" if ops.load() else "python")
     mg = paddle.zeros([4, 3])
-    ops.fused_linear_param_grad_add(x, dy, mg, None, True, False)
+    with loader.settled(gpu="python"):
+        assert dispatch.tier_for(x, None, None, True, True) == "python"
+        ops.fused_linear_param_grad_add(x, dy, mg, None, True, False)
     assert fake_gpu == []
     np.testing.assert_allclose(mg.numpy(), x2.T @ y2, rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_tensors_never_take_the_gpu_tiers(fresh_ops, monkeypatch):
-    ops.load()
-    ops._state["gpu"] = "paddle-fused"
+def test_cpu_tensors_never_take_the_gpu_tiers():
     x, dy, _, _ = _data()
-    assert not ops._is_gpu(x)
-    assert ops._tier_for(x, None, None, True, True) == ("cpp" if ops._state["module"] else "python")
+    with loader.settled(gpu="paddle-fused"):
+        assert not devices.is_gpu(x)
+        assert dispatch.tier_for(x, None, None, True, True) == ("cpp" if ops.load() else "python")
 
 
 def test_backend_strings_keep_their_old_meaning():
-    assert ops._compose("cpp-onednn", None) == "cpp-onednn"
-    assert ops._compose("cpp-onednn", "cuda") == "cpp-onednn+cuda"
-    s = ops._compose("cpp-portable", "paddle-fused")
+    assert loader._compose("cpp-onednn", None) == "cpp-onednn"
+    assert loader._compose("cpp-onednn", "cuda") == "cpp-onednn+cuda"
+    s = loader._compose("cpp-portable", "paddle-fused")
     assert s.startswith("cpp-") and "+cuda" not in s and s == "cpp-portable;gpu=paddle-fused"
 
 

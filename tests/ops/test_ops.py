@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import require_cpp_op
 from paddle_mgrad import EnvError, FusedLinearError, env, ops
-from paddle_mgrad.ops import _inputs, _reference
+from paddle_mgrad.ops import _inputs, _reference, dispatch, loader
 
 DTYPES = ["float32", "bfloat16", "float16", "float64"]
 # Rows of bf16/fp16 widened per fp32 GEMM, forced through PADDLE_MGRAD_CPU_CHUNK_ROWS (the
@@ -1156,13 +1156,14 @@ def test_bf16_and_fp16_paths_with_onednn_capped_at_avx2():
 
 # ---------------------------------------------------------------- accumulators, backends (15)
 @pytest.fixture(params=["cpp", "python"])
-def backend(request, monkeypatch):
+def backend(request):
     """Both backends of the op: our C++ op, and the pure-Paddle reference (the tier forced)."""
     if request.param == "python":
-        monkeypatch.setattr(ops, "_tier_for", lambda *a, **k: "python")
+        with ops.override(tier="python"):
+            yield request.param
     else:
         assert ops.load() is not None, ops.fallback_reason()
-    return request.param
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype,mp", [("float32", True), ("bfloat16", True), ("bfloat16", False),
@@ -1302,35 +1303,35 @@ def test_flags_accept_bools_and_0_1(backend, value):
 
 
 # ---------------------------------------------------------------- places (15)
-def test_tensors_on_other_places_are_refused_before_anything_is_written(backend, monkeypatch):
+def test_tensors_on_other_places_are_refused_before_anything_is_written(backend):
     """dout / dweight / dbias on another device than x: FusedLinearError naming both places
     (faked: this machine has no second device), nothing written."""
     x, dy = paddle.randn([4, 5]), paddle.randn([4, 3])
     dw, db = paddle.ones([5, 3]), paddle.ones([3])
     for name, t in (("dout", dy), ("dweight", dw), ("dbias", db)):
-        monkeypatch.setattr(_inputs, "place",
-                            lambda u, t=t: "Place(gpu:1)" if u is t else str(u.place))
-        with pytest.raises(FusedLinearError,
-                           match=re.escape(f"{name} must be on the same device as x "
-                                           f"(Place(cpu) vs Place(gpu:1))")):
+        elsewhere = ops.override(place=lambda u, t=t: "Place(gpu:1)" if u is t else str(u.place))
+        with elsewhere, pytest.raises(FusedLinearError,
+                                      match=re.escape(f"{name} must be on the same device as x "
+                                                      f"(Place(cpu) vs Place(gpu:1))")):
             ops.fused_linear_param_grad_add(x, dy, dw, db, True, True)
         assert (dw.numpy() == 1).all() and (db.numpy() == 1).all()
 
 
-def test_xpu_and_custom_device_tensors_take_the_reference(monkeypatch):
+def test_xpu_and_custom_device_tensors_take_the_reference():
     """A tensor on neither the CPU nor a GPU (XPU, custom device; faked) never reaches the C++ op
     (it died there with "unsupported place"): the pure-Paddle reference computes it."""
+    import types
+
     module = ops.load()
     assert module is not None
-    monkeypatch.setattr(ops, "_is_cpu", lambda t: False)
     x, dy, x2, y2 = paddle.randn([6, 4]), paddle.randn([6, 3]), None, None
     x2, y2 = x.numpy().astype("f8"), dy.numpy().astype("f8")
-    assert ops._tier_for(x, None, None, True, True, dout=dy) == "python"
-    import types
-    monkeypatch.setitem(ops._state, "module", types.SimpleNamespace(
-        pmg_fused_wgrad_add=lambda *a: pytest.fail("C++ op called for a non-CPU place")))
     mg, mb = paddle.ones([4, 3]), paddle.ones([3])
-    ops.fused_linear_param_grad_add(x, dy, mg, mb, True, True)
+    no_op = types.SimpleNamespace(
+        pmg_fused_wgrad_add=lambda *a: pytest.fail("C++ op called for a non-CPU place"))
+    with ops.override(place="Place(xpu:0)"), loader.settled(module=no_op):
+        assert dispatch.tier_for(x, None, None, True, True, dout=dy) == "python"
+        ops.fused_linear_param_grad_add(x, dy, mg, mb, True, True)
     np.testing.assert_allclose(mg.numpy(), 1 + x2.T @ y2, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(mb.numpy(), 1 + y2.sum(0), rtol=1e-5, atol=1e-5)
 
@@ -1355,11 +1356,9 @@ def test_reference_allocates_on_the_inputs_place(monkeypatch, M, K, N):
 
 @pytest.fixture
 def fake_paddle_fused_gpu(monkeypatch):
-    """Every tensor looks like a GPU tensor and the GPU tier is Paddle's fused op, faked on the
+    """Every tensor is on ``Place(gpu:0)`` and the GPU tier is Paddle's fused op, faked on the
     CPU like its kernel: M = x.numel() / K (K = 0 divides by zero: SIGFPE in the real one)."""
     ops.load()
-    monkeypatch.setattr(ops, "_is_gpu", lambda t: True)
-    monkeypatch.setitem(ops._state, "gpu", "paddle-fused")
     calls = []
 
     def fake_fused(x, dout, dweight, dbias, multi_precision, has_bias):
@@ -1377,7 +1376,8 @@ def fake_paddle_fused_gpu(monkeypatch):
     from paddle import _C_ops
 
     monkeypatch.setattr(_C_ops, "fused_linear_param_grad_add", fake_fused, raising=False)
-    return calls
+    with ops.override(place="Place(gpu:0)"), loader.settled(gpu="paddle-fused"):
+        yield calls
 
 
 @pytest.mark.parametrize("M,K,N", ZERO_SHAPES)
@@ -1388,7 +1388,7 @@ def test_zero_size_never_reaches_paddles_gpu_kernel(fake_paddle_fused_gpu, M, K,
     x, dy = paddle.ones([M, K]), paddle.ones([M, N])
     dw = paddle.full([K, N], 2.0) if given else None
     db = paddle.full([N], 3.0) if given else None
-    assert ops._tier_for(x, dw, db, True, True, dout=dy) == "python"
+    assert dispatch.tier_for(x, dw, db, True, True, dout=dy) == "python"
     out_w, out_b = ops.fused_linear_param_grad_add(x, dy, dw, db, True, True)
     assert fake_paddle_fused_gpu == []
     np.testing.assert_array_equal(out_w.numpy(), np.full([K, N], (2.0 if given else 0.0) + M))
