@@ -69,7 +69,7 @@ acc_dtypes = _inputs.acc_dtypes
 _dtype_name = _inputs.dtype_name
 _SUPPORTED = _inputs.SUPPORTED
 
-#: the op library's ``route`` (``csrc/wgrad_pyentry.cc``: linear._route's answer from the
+#: the op library's ``route`` (``csrc/wgrad_pyentry.cc``: routing.route's answer from the
 #: tensors' meta in one call) once the library is loaded with its fast entry, else None; set by
 #: the loader (``loader._set_fast``), read by the fused linear on every forward
 fast_route = None
