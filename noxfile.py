@@ -18,6 +18,7 @@ it succeeds, so the disk holds one at a time (all of them together take ~15 GB).
 """
 import configparser
 import functools
+import glob
 import os
 import re
 import shutil
@@ -68,6 +69,10 @@ PYTEST = ["pytest", "-q", "-p", "no:cacheprovider"]
 MUTMUT = "mutmut==3.8.1"
 # The linter/formatter, pinned: a new ruff release may add findings to a tree that was green.
 RUFF = "ruff==0.17.6"
+# The C++/CUDA formatter (csrc/, style in .clang-format), pinned for the same reason.
+CLANG_FORMAT = "clang-format==23.1.5"
+# What clang-format formats: the op's sources.
+CSRC_GLOBS = ("csrc/*.cc", "csrc/*.h", "csrc/*.cu")
 # Equal thread counts everywhere (Paddle forces 1 at import unless set).
 ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
        "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
@@ -107,17 +112,27 @@ def _install(session, paddle_version, extra=()):
 @nox.session
 @_frees_venv
 def lint(session):
-    """ruff check over the whole tree with the rules of ruff.toml (no Paddle needed)."""
-    session.install(RUFF)
+    """The checks of .pre-commit-config.yaml over the whole tree (no Paddle needed): ruff check
+    with the rules of ruff.toml, ruff format --check, clang-format --dry-run on csrc/."""
+    session.install(RUFF, CLANG_FORMAT)
     session.run("ruff", "--version")
     session.run("ruff", "check", ".", *session.posargs)
+    session.run("ruff", "format", "--check", ".")
+    session.run("clang-format", "--version")
+    session.run("clang-format", "--dry-run", "--Werror", *_csrc_files())
 
 
 @nox.session(name="format")
 def format_tree(session):
-    """ruff format, in place (adopted, not yet applied to the tree: docs/development.md)."""
-    session.install(RUFF)
-    session.run("ruff", "format", *(session.posargs or ["."]))
+    """ruff format and clang-format, in place: what ``nox -s lint`` then finds clean."""
+    session.install(RUFF, CLANG_FORMAT)
+    session.run("ruff", "format", ".")
+    session.run("clang-format", "-i", *_csrc_files())
+
+
+def _csrc_files():
+    here = os.path.dirname(os.path.abspath(__file__))
+    return sorted(f for g in CSRC_GLOBS for f in glob.glob(os.path.join(here, g)))
 
 
 @nox.session
