@@ -16,6 +16,7 @@ pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; ven
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
 it succeeds, so the disk holds one at a time (all of them together take ~15 GB).
 """
+
 import configparser
 import functools
 import glob
@@ -33,12 +34,21 @@ PADDLE_PINS = {
     # 2.6.2 wants numpy<2; fleet needs protobuf<5 ("hybrid_configs is not a attribute")
     "2.6.2": ["paddlepaddle==2.6.2", "numpy<2", "protobuf<5"],
 }
-NLP_PINS = ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26", "datasets<3",
-            "pyarrow<19", "tqdm"]
+NLP_PINS = [
+    "paddlenlp==2.8.1",
+    "aistudio-sdk==0.1.7",
+    "huggingface_hub<0.26",
+    "datasets<3",
+    "pyarrow<19",
+    "tqdm",
+]
 # The original report's stack: PaddleNLP 2.7.2 needs the same pins as 2.8.1 to import.
 NLP272_PINS = ["paddlenlp==2.7.2"] + NLP_PINS[1:]
-NLP272_TESTS = ["tests/nlp/test_llama_example.py", "tests/nlp/test_paddlenlp_llm.py",
-                "tests/nlp/test_paddlenlp_cpu_gap.py"]
+NLP272_TESTS = [
+    "tests/nlp/test_llama_example.py",
+    "tests/nlp/test_paddlenlp_llm.py",
+    "tests/nlp/test_paddlenlp_cpu_gap.py",
+]
 # PaddleFormers 1.2.0 resolves datasets 5.x -> pyarrow>=24 (numpy>=2), while its fast_dataindex
 # pins numpy<=1.26.4: "pyarrow requires NumPy 2.0 or newer" at import.  These make it import.
 FORMERS_PINS = ["paddleformers==1.2.0", "datasets>=3,<4", "pyarrow<19"]
@@ -74,8 +84,10 @@ CLANG_FORMAT = "clang-format==23.1.5"
 # What clang-format formats: the op's sources.
 CSRC_GLOBS = ("csrc/*.cc", "csrc/*.h", "csrc/*.cu")
 # Equal thread counts everywhere (Paddle forces 1 at import unless set).
-ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-       "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache")}
+ENV = {
+    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    "PADDLE_MGRAD_CACHE": os.path.join(os.path.dirname(__file__), ".nox", "op-cache"),
+}
 
 
 def _installing_only(session):
@@ -92,6 +104,7 @@ def _frees_venv(fn):
     Why: CI machines share a disk whose free space varies (a run died with "No space left on
     device" after ~3 GB); the largest venv (paddlepaddle-gpu + cuBLAS) is ~3.7 GB, all of them
     ~15 GB.  A failed session keeps its venv for inspection (CI stops there anyway)."""
+
     @functools.wraps(fn)
     def run(session, *args, **kwargs):
         fn(session, *args, **kwargs)
@@ -100,6 +113,7 @@ def _frees_venv(fn):
             if location and os.path.isdir(location):
                 session.log(f"freeing {location}")
                 shutil.rmtree(location, ignore_errors=True)
+
     return run
 
 
@@ -158,16 +172,22 @@ def mutants(session):
     root = os.path.dirname(os.path.abspath(__file__))
     mutated = configparser.ConfigParser()
     mutated.read(os.path.join(root, "setup.cfg"))
-    modules = {os.path.basename(path)[:-3]: path[:-3].replace("/", ".")
-               for path in mutated.get("mutmut", "only_mutate").split()}
+    modules = {
+        os.path.basename(path)[:-3]: path[:-3].replace("/", ".")
+        for path in mutated.get("mutmut", "only_mutate").split()
+    }
     with open(os.path.join(root, "docs", "development.md"), encoding="utf-8") as f:
         explained = _explained_mutants(f.read(), modules)
-    unexplained = [line.strip() for line in results.splitlines()
-                   if ": " in line and line.split(":")[0].strip() not in explained]
+    unexplained = [
+        line.strip()
+        for line in results.splitlines()
+        if ": " in line and line.split(":")[0].strip() not in explained
+    ]
     if unexplained:
-        session.error("mutants that no test kills and docs/development.md#mutation-testing does "
-                      "not explain (kill each with a test, or add its line there):\n"
-                      + "\n".join(unexplained))
+        session.error(
+            "mutants that no test kills and docs/development.md#mutation-testing does "
+            "not explain (kill each with a test, or add its line there):\n" + "\n".join(unexplained)
+        )
 
 
 def _explained_mutants(doc, modules):
@@ -180,8 +200,7 @@ def _explained_mutants(doc, modules):
         module, function, numbers = row
         owner, _, name = function.rpartition(".")
         mangled = f"xǁ{owner}ǁ{name}" if owner else f"x_{name}"
-        names.update(f"{modules[module]}.{mangled}__mutmut_{n.strip()}"
-                     for n in numbers.split(","))
+        names.update(f"{modules[module]}.{mangled}__mutmut_{n.strip()}" for n in numbers.split(","))
     return names
 
 
@@ -191,8 +210,16 @@ def _explained_mutants(doc, modules):
 def tests(session, paddle):
     """pytest on one Paddle version (both by default)."""
     _install(session, paddle)
-    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet/launch",
-                "--ignore=tests/formers", *session.posargs, env=ENV)
+    session.run(
+        *PYTEST,
+        *XDIST,
+        "tests",
+        "--ignore=tests/nlp",
+        "--ignore=tests/fleet/launch",
+        "--ignore=tests/formers",
+        *session.posargs,
+        env=ENV,
+    )
 
 
 @nox.session
@@ -272,12 +299,26 @@ def cuda_compile(session):
     must fail cleanly without a GPU), and syntax-check the Paddle binding's CUDA branch, all with
     the flags and toolkit discovery of paddle_mgrad/ops/build_config.py (what ships)."""
     session.install(*PADDLE_PINS["2.6.2"], CUBLAS_WHEEL)
-    paddle_inc = session.run(
-        "python", "-c", "import zlib, os, paddle; print(os.path.join(os.path.dirname(paddle.__file__), 'include'))",
-        silent=True).strip().splitlines()[-1]
+    paddle_inc = (
+        session.run(
+            "python",
+            "-c",
+            "import zlib, os, paddle; print(os.path.join(os.path.dirname(paddle.__file__), 'include'))",
+            silent=True,
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "cuda-compile")
-    session.run("python", "benchmarks/gpu/bench_wgrad_gpu.py", "--compile-only", "--out", out,
-                "--paddle-include", paddle_inc)
+    session.run(
+        "python",
+        "benchmarks/gpu/bench_wgrad_gpu.py",
+        "--compile-only",
+        "--out",
+        out,
+        "--paddle-include",
+        paddle_inc,
+    )
 
 
 @nox.session
@@ -304,20 +345,36 @@ def gpu_wheel(session):
     doctor = os.path.join(root, ".ci", "doctor_gpu_wheel_check.py")
     tmp = session.create_tmp()  # run outside the checkout: import the installed package
     session.chdir(tmp)
-    session.run("python", check, "no-cublas", "--installed",
-                env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"]))
-    session.run("python", doctor, "no-cublas", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"]))
+    session.run(
+        "python",
+        check,
+        "no-cublas",
+        "--installed",
+        env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"]),
+    )
+    session.run(
+        "python", doctor, "no-cublas", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["no-cublas"])
+    )
     session.install(CUBLAS_WHEEL)
-    session.run("python", check, "cuda", "--installed",
-                env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
+    session.run(
+        "python", check, "cuda", "--installed", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"])
+    )
     session.run("python", doctor, "cuda", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
     session.chdir(root)
     # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
-    session.run(*PYTEST, *XDIST, "tests", "--ignore=tests/nlp", "--ignore=tests/fleet/launch",
-                "--ignore=tests/formers", "--deselect",
-                "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
-                *session.posargs, env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
+    session.run(
+        *PYTEST,
+        *XDIST,
+        "tests",
+        "--ignore=tests/nlp",
+        "--ignore=tests/fleet/launch",
+        "--ignore=tests/formers",
+        "--deselect",
+        "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
+        *session.posargs,
+        env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]),
+    )
 
 
 @nox.session
@@ -325,5 +382,10 @@ def gpu_wheel(session):
 def demo(session):
     """Main job: train the tiny llama with every flag on (Paddle 3.3.1, CPU)."""
     _install(session, "3.3.1", NLP_PINS)
-    session.run("python", "examples/llama/run_pretrain.py", "examples/llama/pretrain_cpu.json",
-                *session.posargs, env=ENV)
+    session.run(
+        "python",
+        "examples/llama/run_pretrain.py",
+        "examples/llama/pretrain_cpu.json",
+        *session.posargs,
+        env=ENV,
+    )

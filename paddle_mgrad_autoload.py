@@ -6,6 +6,7 @@ the process's first ``import paddle`` it imports ``zlib`` first (Paddle 2.6
 crashes otherwise), lets Paddle import, and calls
 ``paddle_mgrad.autoload._activate_from_hook()`` (see that module).
 """
+
 import os as _os
 
 

@@ -11,6 +11,7 @@ on first use (JIT, cached per user).  ``PADDLE_MGRAD_BUILD_OPS=1 pip install
 --no-build-isolation .`` compiles them ahead of time into the wheel instead
 (needs Paddle and a compiler at install time).
 """
+
 import os
 import shutil
 import sys
@@ -36,7 +37,8 @@ def env_get(name):
         pkg.__path__ = [os.path.join(HERE, "paddle_mgrad")]
         sys.modules[pkg_name] = pkg
         spec = importlib.util.spec_from_file_location(
-            pkg_name + ".env", os.path.join(HERE, "paddle_mgrad", "env.py"))
+            pkg_name + ".env", os.path.join(HERE, "paddle_mgrad", "env.py")
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
@@ -87,11 +89,21 @@ setup(
         "paddle3": ["paddlepaddle==3.3.1"],
         "paddle26": ["paddlepaddle==2.6.2", "numpy<2", "protobuf<5"],
         "test": ["pytest>=7", "hypothesis>=6"],
-        "nlp": ["paddlenlp==2.8.1", "aistudio-sdk==0.1.7", "huggingface_hub<0.26",
-                "datasets<3", "pyarrow<19"],
+        "nlp": [
+            "paddlenlp==2.8.1",
+            "aistudio-sdk==0.1.7",
+            "huggingface_hub<0.26",
+            "datasets<3",
+            "pyarrow<19",
+        ],
         # the original report's stack: PaddleNLP 2.7.2 on Paddle 2.6.2 (same pins)
-        "nlp27": ["paddlenlp==2.7.2", "aistudio-sdk==0.1.7", "huggingface_hub<0.26",
-                  "datasets<3", "pyarrow<19"],
+        "nlp27": [
+            "paddlenlp==2.7.2",
+            "aistudio-sdk==0.1.7",
+            "huggingface_hub<0.26",
+            "datasets<3",
+            "pyarrow<19",
+        ],
     },
     # `paddle-mgrad doctor` == `python -m paddle_mgrad doctor` (paddle_mgrad/_cli.py knows the name)
     entry_points={"console_scripts": ["paddle-mgrad = paddle_mgrad.__main__:main"]},

@@ -4,18 +4,25 @@ by the ``gpu_wheel`` nox session after each .ci/gpu_wheel_check.py phase, with t
     python .ci/doctor_gpu_wheel_check.py no-cublas   # exit 1: one [op] problem, fix = the pip command
     python .ci/doctor_gpu_wheel_check.py cuda        # exit 0: healthy, GPU tensors on our CUDA op
 """
+
 import json
 import subprocess
 import sys
 
 
 def main(mode):
-    r = subprocess.run([sys.executable, "-m", "paddle_mgrad", "doctor", "--json"],
-                       capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-m", "paddle_mgrad", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert r.returncode in (0, 1), f"doctor died: rc={r.returncode}\n{r.stdout}\n{r.stderr}"
     d = json.loads(r.stdout)
     op = d["facts"]["probe_op"]["steps"]["op"]
-    print(f"doctor ({mode}): exit {r.returncode}, backend {op.get('backend')}, verdict: {d['verdict']}")
+    print(
+        f"doctor ({mode}): exit {r.returncode}, backend {op.get('backend')}, verdict: {d['verdict']}"
+    )
     for p in d["problems"]:
         print(f"  problem: [{p['area']}] {p['problem']}  ->  fix: {p['fix']}")
     assert d["exit_code"] == r.returncode

@@ -9,6 +9,7 @@ library's C entry point with ctypes and calls its CUDA path: without a GPU it mu
 clear error (no crash).  (Paddle itself exits the process when a GPU tensor is created on a
 machine without a GPU, so the Paddle-level GPU call cannot be made here.)
 """
+
 import ctypes
 import io
 import logging
@@ -29,7 +30,9 @@ import paddle_mgrad  # noqa: E402
 from paddle_mgrad import ops  # noqa: E402
 
 if "--installed" in sys.argv:
-    assert "site-packages" in paddle_mgrad.__file__, f"not the installed package: {paddle_mgrad.__file__}"
+    assert "site-packages" in paddle_mgrad.__file__, (
+        f"not the installed package: {paddle_mgrad.__file__}"
+    )
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     backend = ops.backend()
@@ -71,8 +74,24 @@ if mode == "cuda":
     assert "LD_LIBRARY_PATH" not in os.environ or "nvidia" not in os.environ["LD_LIBRARY_PATH"]
     fn = core.pmg_wgrad_cuda_c
     i64, vp, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    fn.argtypes = [vp, vp, i32, i64, i64, i64, vp, i32, f32, vp, i32, f32, vp, i32,
-                   ctypes.c_char_p, i32]
+    fn.argtypes = [
+        vp,
+        vp,
+        i32,
+        i64,
+        i64,
+        i64,
+        vp,
+        i32,
+        f32,
+        vp,
+        i32,
+        f32,
+        vp,
+        i32,
+        ctypes.c_char_p,
+        i32,
+    ]
     fn.restype = i32
     err = ctypes.create_string_buffer(512)
     rc = fn(None, None, 1, 0, 0, 0, None, 0, 1.0, None, 0, 1.0, None, 0, err, len(err))
@@ -81,6 +100,14 @@ if mode == "cuda":
     assert rc == 1 and "cuda" in msg.lower(), (rc, msg)
     with open("/proc/self/maps") as f:
         maps = f.read()
-    print("LOADED", sorted({os.path.basename(m.split()[-1]) for m in maps.splitlines()
-                           if "cublasLt" in m or "libcudart" in m}))
+    print(
+        "LOADED",
+        sorted(
+            {
+                os.path.basename(m.split()[-1])
+                for m in maps.splitlines()
+                if "cublasLt" in m or "libcudart" in m
+            }
+        ),
+    )
 print("ALL OK", mode)

@@ -19,6 +19,7 @@ to time it anyway (the ratio then says nothing about the hardware path).
 
     python benchmarks/bench_bf16_scan.py [--shapes 4096x4096x4096,4096x1024x4096] [--repeat 7]
 """
+
 import argparse
 import ctypes
 import functools
@@ -68,16 +69,24 @@ def _test_library():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="4096x4096x4096,4096x1024x4096,4096x4096x1024",
-                    help="TxKxN list (T tokens: the GEMM's reduction dim)")
+    ap.add_argument(
+        "--shapes",
+        default="4096x4096x4096,4096x1024x4096,4096x4096x1024",
+        help="TxKxN list (T tokens: the GEMM's reduction dim)",
+    )
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--allow-reference", action="store_true",
-                    help="run even when oneDNN's bf16 GEMM is its reference kernel here")
+    ap.add_argument(
+        "--allow-reference",
+        action="store_true",
+        help="run even when oneDNN's bf16 GEMM is its reference kernel here",
+    )
     args = ap.parse_args()
     info = ops.cpu_info()
     if not info["native_bf16"] and not args.allow_reference:
-        raise SystemExit(f"no native bf16 here ({info}); the guarded GEMM would be oneDNN's "
-                         "reference kernel: pass --allow-reference to time it anyway")
+        raise SystemExit(
+            f"no native bf16 here ({info}); the guarded GEMM would be oneDNN's "
+            "reference kernel: pass --allow-reference to time it anyway"
+        )
     lib = ctypes.CDLL(_test_library())
     scan = lib.pmg_bf16_native_is_exact_c
     scan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
@@ -88,8 +97,10 @@ def main():
     gemm.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, fl, vp, i64, vp, i64, fl, vp, i64]
     gemm.restype = ctypes.c_int
     print(f"paddle {paddle.__version__}, op {ops.backend()}, threads {_threads}, cpu {info}")
-    print("| T x K x N | gemm ms | scan ms | scan / gemm | op native ms | op native / gemm "
-          "| op widen ms |")
+    print(
+        "| T x K x N | gemm ms | scan ms | scan / gemm | op native ms | op native / gemm "
+        "| op widen ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         T, K, N = map(int, shape.split("x"))
@@ -105,8 +116,22 @@ def main():
         # Bound now (partial, default arguments): each closure keeps this shape's arrays.
         op = functools.partial(ops.fused_linear_param_grad_add, x, y, mg, None, True, False)
         variants = {
-            "gemm": functools.partial(gemm, b"T", b"N", K, N, T, 1.0, xb.ctypes.data, K,
-                                      yb.ctypes.data, N, 1.0, c.ctypes.data, N),
+            "gemm": functools.partial(
+                gemm,
+                b"T",
+                b"N",
+                K,
+                N,
+                T,
+                1.0,
+                xb.ctypes.data,
+                K,
+                yb.ctypes.data,
+                N,
+                1.0,
+                c.ctypes.data,
+                N,
+            ),
             "scan": functools.partial(scan, xb.ctypes.data, xb.size, yb.ctypes.data, yb.size),
             "op native": functools.partial(with_env, "PADDLE_MGRAD_CPU_BF16", "native", op),
             "op widen": functools.partial(with_env, "PADDLE_MGRAD_CPU_BF16", "widen", op),
@@ -122,9 +147,11 @@ def main():
                 times[k].append(time.perf_counter() - t0)
         assert ops.cpu_info()["bf16_exact_fallbacks"] == before  # the op really ran native
         best = {k: min(v) for k, v in times.items()}
-        print(f"| {shape} | {best['gemm'] * 1e3:.2f} | {best['scan'] * 1e3:.3f} | "
-              f"{best['scan'] / best['gemm']:.2%} | {best['op native'] * 1e3:.2f} | "
-              f"{best['op native'] / best['gemm']:.3f} | {best['op widen'] * 1e3:.2f} |")
+        print(
+            f"| {shape} | {best['gemm'] * 1e3:.2f} | {best['scan'] * 1e3:.3f} | "
+            f"{best['scan'] / best['gemm']:.2%} | {best['op native'] * 1e3:.2f} | "
+            f"{best['op native'] / best['gemm']:.3f} | {best['op widen'] * 1e3:.2f} |"
+        )
     print(f"(best of {args.repeat} interleaved rounds)")
 
 

@@ -20,6 +20,7 @@ CPU's caches.  Rows, each against Paddle's own step in the same run:
 The stand-ins skip every check (they are not correct outside this model); the rows interleave
 round by round; each figure is the 10th percentile [median] of per-step process CPU times.
 """
+
 import argparse
 import os
 import sys
@@ -94,8 +95,9 @@ def main():
     host.run_cell(blocks, x0, "fused", "none", 2)  # builds/loads the op, allocates main_grad
     run, entry = ops.cpu_runner("float32"), ops.cpu_entry("float32")
     if run is None or entry is None:
-        raise SystemExit("the C++ op (with its fast entry) did not load: "
-                         + str(ops.fallback_reason()))
+        raise SystemExit(
+            "the C++ op (with its fast entry) did not load: " + str(ops.fallback_reason())
+        )
     functional = paddle.nn.functional
     linear = functional.linear  # the function object (enable() swaps its code, not it)
     rows = {"paddle": None, **stand_ins(run, entry), "ours": "ours"}
@@ -109,8 +111,9 @@ def main():
                 else:
                     paddle_mgrad.disable()
                 if cls not in (None, "ours"):
-                    functional.linear = (lambda x, weight, bias=None, name=None, c=cls:
-                                         c.apply(x, weight, bias))
+                    functional.linear = lambda x, weight, bias=None, name=None, c=cls: c.apply(
+                        x, weight, bias
+                    )
                 try:
                     step()  # warm
                     samples[r] += host.time_steps(step, args.steps)
@@ -120,13 +123,17 @@ def main():
         paddle_mgrad.disable()
     p10 = {r: host.percentile(v, 0.1) for r, v in samples.items()}
     p50 = {r: host.percentile(v, 0.5) for r, v in samples.items()}
-    print(f"paddle {paddle.__version__}, {host.cpu_name()}, OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS')}, {args.layers} x Linear({args.width}, "
-          f"{args.width}) + ReLU, {args.rows} rows, no recompute; per-step process CPU time, "
-          f"10th percentile [median] of {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"paddle {paddle.__version__}, {host.cpu_name()}, OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS')}, {args.layers} x Linear({args.width}, "
+        f"{args.width}) + ReLU, {args.rows} rows, no recompute; per-step process CPU time, "
+        f"10th percentile [median] of {args.rounds} rounds x {args.steps} steps"
+    )
     for r in rows:
-        print(f"{r:16s} {p10[r] * 1e6:8.0f} us [{p50[r] * 1e6:6.0f}]   "
-              f"{p10[r] / p10['paddle']:5.3f}x [{p50[r] / p50['paddle']:5.3f}x]")
+        print(
+            f"{r:16s} {p10[r] * 1e6:8.0f} us [{p50[r] * 1e6:6.0f}]   "
+            f"{p10[r] / p10['paddle']:5.3f}x [{p50[r] / p50['paddle']:5.3f}x]"
+        )
     print("ratios: row / Paddle's own step at the 10th percentile [at the median]")
 
 

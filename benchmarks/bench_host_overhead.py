@@ -29,6 +29,7 @@ Every fused-linear round asserts that the fused path ran for every linear: the
 linear per step.  ``--profile MODE`` runs cProfile on one cell instead and prints the top
 functions (MODE like ``fused:none``, ``paddle:reentrant``).
 """
+
 import argparse
 import os
 import sys
@@ -48,8 +49,11 @@ import paddle_mgrad  # noqa: E402
 from paddle_mgrad import stats  # noqa: E402
 
 RECOMPUTE = ("none", "non_reentrant", "reentrant")
-ROWS = {"paddle": None, "fused": dict(recompute=True, fused_linear=True),
-        "recompute": dict(recompute=True, fused_linear=False)}
+ROWS = {
+    "paddle": None,
+    "fused": dict(recompute=True, fused_linear=True),
+    "recompute": dict(recompute=True, fused_linear=False),
+}
 LABEL = {"paddle": "paddle (baseline)", "fused": "fused linear", "recompute": "recompute only"}
 
 
@@ -94,9 +98,11 @@ def make_step(blocks, x0, rmode):
             if rmode == "none":
                 h = b(h)
             else:
-                h = fu.recompute(b, h, use_reentrant=(rmode == "reentrant"),
-                                 preserve_rng_state=preserve)
+                h = fu.recompute(
+                    b, h, use_reentrant=(rmode == "reentrant"), preserve_rng_state=preserve
+                )
         h.sum().backward()
+
     return step
 
 
@@ -120,8 +126,10 @@ def run_cell(blocks, x0, row, rmode, steps):
     got = stats.snapshot()["linear"]["into_main_grad"] - before
     want = 2 * len(blocks) * steps if row == "fused" else 0
     if got != want:
-        raise SystemExit(f"{row}/{rmode}: into_main_grad grew by {got}, expected {want} "
-                         "(the fused path was not taken for every linear)")
+        raise SystemExit(
+            f"{row}/{rmode}: into_main_grad grew by {got}, expected {want} "
+            "(the fused path was not taken for every linear)"
+        )
     return times
 
 
@@ -171,11 +179,13 @@ def main():
     p10 = {c: percentile(v, 0.1) for c, v in samples.items()}
     p50 = {c: percentile(v, 0.5) for c, v in samples.items()}
 
-    print(f"paddle {paddle.__version__}, {cpu_name()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
-          f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, {args.rows} rows, "
-          f"MixPrecisionLayer fp32 main_grad; process CPU time per fwd+bwd step, 10th "
-          f"percentile [median] of {args.rounds} rounds x {args.steps} steps; fused path "
-          f"verified (into_main_grad)")
+    print(
+        f"paddle {paddle.__version__}, {cpu_name()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+        f"{args.layers} x Linear({args.width}, {args.width}) + ReLU, {args.rows} rows, "
+        f"MixPrecisionLayer fp32 main_grad; process CPU time per fwd+bwd step, 10th "
+        f"percentile [median] of {args.rounds} rounds x {args.steps} steps; fused path "
+        f"verified (into_main_grad)"
+    )
     print(f"{'':22s}" + "".join(f"{m:>28s}" for m in RECOMPUTE))
     for r in ROWS:
         cells = []
@@ -184,11 +194,15 @@ def main():
             if r == "paddle":
                 cells.append(f"{us:9.0f} us [{p50[r, m] * 1e6:5.0f}]")
             else:
-                cells.append(f"{us:9.0f} us {p10[r, m] / p10['paddle', m]:5.3f}x "
-                             f"[{p50[r, m] / p50['paddle', m]:5.3f}x]")
+                cells.append(
+                    f"{us:9.0f} us {p10[r, m] / p10['paddle', m]:5.3f}x "
+                    f"[{p50[r, m] / p50['paddle', m]:5.3f}x]"
+                )
         print(f"{LABEL[r]:22s}" + "".join(f"{c:>28s}" for c in cells))
-    print("ratios: ours / Paddle's own in the same column at the 10th percentile [at the median] "
-          "(< 1: ours costs the host less)")
+    print(
+        "ratios: ours / Paddle's own in the same column at the 10th percentile [at the median] "
+        "(< 1: ours costs the host less)"
+    )
 
 
 if __name__ == "__main__":

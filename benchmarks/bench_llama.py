@@ -10,6 +10,7 @@ Rounds are interleaved; medians are printed with the ratio.  Both cases run with
 same ``OMP_NUM_THREADS``, set here: ``--threads`` (default: the number of CPUs this
 process may use), since Paddle silently forces 1 thread at import when it is unset.
 """
+
 import argparse
 import json
 import os
@@ -22,9 +23,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(out, steps, extra, threads):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "llama", "run_pretrain.py"),
-           os.path.join(ROOT, "examples", "llama", "pretrain_cpu.json"), "--output_dir", out,
-           "--max_steps", str(steps), "--save_steps", "100000", *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "examples", "llama", "run_pretrain.py"),
+        os.path.join(ROOT, "examples", "llama", "pretrain_cpu.json"),
+        "--output_dir",
+        out,
+        "--max_steps",
+        str(steps),
+        "--save_steps",
+        "100000",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode != 0:
@@ -37,27 +47,39 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int,
-                    default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                    else (os.cpu_count() or 1))
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else (os.cpu_count() or 1),
+    )
     args, extra = ap.parse_known_args()
-    cases = {"with paddle_mgrad": [],
-             "without": ["--mgrad_fix_recompute", "false", "--enable_linear_fused_grad_add", "false"]}
+    cases = {
+        "with paddle_mgrad": [],
+        "without": ["--mgrad_fix_recompute", "false", "--enable_linear_fused_grad_add", "false"],
+    }
     res = {k: [] for k in cases}
     errors = {}
     paddle_version = "?"
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, flags in cases.items():
-                s, err = run(os.path.join(tmp, f"{r}-{len(res[name])}-{name[:4]}"), args.steps,
-                             flags + extra, args.threads)
+                s, err = run(
+                    os.path.join(tmp, f"{r}-{len(res[name])}-{name[:4]}"),
+                    args.steps,
+                    flags + extra,
+                    args.threads,
+                )
                 if s is None:
                     errors[name] = err
                 else:
                     res[name].append(s["tokens_per_second"])
                     paddle_version = s["paddle"]
-    print(f"paddle {paddle_version}, OMP_NUM_THREADS={args.threads} (both cases), "
-          f"{args.steps} steps, median of {args.rounds} rounds")
+    print(
+        f"paddle {paddle_version}, OMP_NUM_THREADS={args.threads} (both cases), "
+        f"{args.steps} steps, median of {args.rounds} rounds"
+    )
     med = {k: statistics.median(v) for k, v in res.items() if v}
     for name in cases:
         if name in med:

@@ -23,6 +23,7 @@ Memory is Paddle's host allocator statistics: ``peak`` is the peak allocated
 during a training step, ``saved`` what stays allocated between the end of the
 forward and the start of backward (what recompute is for).
 """
+
 import argparse
 import json
 import os
@@ -30,9 +31,18 @@ import statistics
 import subprocess
 import sys
 
-MODES = ["none", "paddle_non_reentrant", "ours_non_reentrant", "ours_non_reentrant_values",
-         "paddle_reentrant", "ours_reentrant", "ours_reentrant_values",
-         "fused_none", "fused_full", "fused_gemm"]
+MODES = [
+    "none",
+    "paddle_non_reentrant",
+    "ours_non_reentrant",
+    "ours_non_reentrant_values",
+    "paddle_reentrant",
+    "ours_reentrant",
+    "ours_reentrant_values",
+    "fused_none",
+    "fused_full",
+    "fused_gemm",
+]
 #: paddle_mgrad switched on (fused linear + recompute), no recompute / full / the gemm policy
 #: (non-reentrant): their time and peak are printed against fused_none's
 POLICY_MODES = {"fused_none": None, "fused_full": "full", "fused_gemm": "gemm"}
@@ -67,6 +77,7 @@ def child(args):
     if mode in POLICY_MODES:
         paddle_mgrad.enable(recompute=True, fused_linear=True)
         if POLICY_MODES[mode] is not None:
+
             def run_block(f, x, policy=POLICY_MODES[mode]):
                 return paddle_mgrad.recompute(f, x, use_reentrant=False, policy=policy)
     elif mode != "none":
@@ -84,6 +95,7 @@ def child(args):
                         return fp(t)
                     finally:
                         fp_time[0] += time.perf_counter() - t0
+
                 return f
 
             non_reentrant.fingerprint = timed(non_reentrant.fingerprint)
@@ -120,9 +132,18 @@ def child(args):
             fps.append(fp_time[0] / (t1 - t0))
             peaks.append(core.host_memory_stat_peak_value("Allocated", 0) - base)
             saved.append(after_fwd - base)
-    print(json.dumps({"mode": mode, "time": statistics.median(times), "cpu": statistics.median(cpu),
-                      "fp_share": statistics.median(fps),
-                      "peak": max(peaks), "saved": max(saved)}))
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "time": statistics.median(times),
+                "cpu": statistics.median(cpu),
+                "fp_share": statistics.median(fps),
+                "peak": max(peaks),
+                "saved": max(saved),
+            }
+        )
+    )
 
 
 def main():
@@ -134,7 +155,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
+    )
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
@@ -152,7 +175,9 @@ def main():
     for _ in range(args.rounds):
         for m in modes:
             cmd = [sys.executable, __file__, "--child", m] + [
-                f"--{k}={getattr(args, k)}" for k in ("blocks", "hidden", "tokens", "steps", "warmup")]
+                f"--{k}={getattr(args, k)}"
+                for k in ("blocks", "hidden", "tokens", "steps", "warmup")
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if out.returncode != 0:
                 res[m].append(None)
@@ -161,21 +186,30 @@ def main():
             res[m].append(json.loads(out.stdout.strip().splitlines()[-1]))
     import paddle  # only for the version line
 
-    print(f"paddle {paddle.__version__}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
-          f"{args.blocks} blocks, hidden {args.hidden}, tokens {args.tokens}, "
-          f"median of {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"paddle {paddle.__version__}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
+        f"{args.blocks} blocks, hidden {args.hidden}, tokens {args.tokens}, "
+        f"median of {args.rounds} rounds x {args.steps} steps"
+    )
     summary = {}
     for m in modes:
         ok = [r for r in res[m] if r]
         if ok:
-            summary[m] = {"time": statistics.median(r["time"] for r in ok),
-                          "cpu": statistics.median(r["cpu"] for r in ok),
-                          "fp_share": statistics.median(r["fp_share"] for r in ok),
-                          "peak": max(r["peak"] for r in ok), "saved": max(r["saved"] for r in ok)}
-    print("(time/base, peak/base: against Paddle's recompute of the same kind; fused_*: against "
-          "fused_none)")
-    print(f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/base':>12s} "
-          f"{'peak/base':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s} {'fingerprint':>11s}")
+            summary[m] = {
+                "time": statistics.median(r["time"] for r in ok),
+                "cpu": statistics.median(r["cpu"] for r in ok),
+                "fp_share": statistics.median(r["fp_share"] for r in ok),
+                "peak": max(r["peak"] for r in ok),
+                "saved": max(r["saved"] for r in ok),
+            }
+    print(
+        "(time/base, peak/base: against Paddle's recompute of the same kind; fused_*: against "
+        "fused_none)"
+    )
+    print(
+        f"{'mode':26s} {'step ms':>9s} {'peak MiB':>9s} {'saved MiB':>10s} {'time/base':>12s} "
+        f"{'peak/base':>12s} {'time/shapes':>12s} {'cpu/shapes':>11s} {'fingerprint':>11s}"
+    )
     for m in modes:
         if m not in summary:
             print(f"{m:26s} {'failed':>9s}")
@@ -185,16 +219,19 @@ def main():
         if m in POLICY_MODES:
             base = summary.get("fused_none") if m != "fused_none" else None
         elif m != "none":
-            base = summary.get("paddle_reentrant" if "non_reentrant" not in m
-                               else "paddle_non_reentrant")
+            base = summary.get(
+                "paddle_reentrant" if "non_reentrant" not in m else "paddle_non_reentrant"
+            )
         rt = f"{s['time'] / base['time']:.3f}" if base else "-"
         rp = f"{s['peak'] / base['peak']:.3f}" if base else "-"
-        shapes = summary.get(m[:-len("_values")]) if m.endswith("_values") else None
+        shapes = summary.get(m[: -len("_values")]) if m.endswith("_values") else None
         rv = f"{s['time'] / shapes['time']:.3f}" if shapes else "-"
         rc = f"{s['cpu'] / shapes['cpu']:.3f}" if shapes else "-"
         rf = f"{s['fp_share'] * 100:.1f}%" if m.endswith("_values") else "-"
-        print(f"{m:26s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
-              f"{rt:>12s} {rp:>12s} {rv:>12s} {rc:>11s} {rf:>11s}")
+        print(
+            f"{m:26s} {s['time'] * 1e3:9.1f} {s['peak'] / 2**20:9.1f} {s['saved'] / 2**20:10.1f} "
+            f"{rt:>12s} {rp:>12s} {rv:>12s} {rc:>11s} {rf:>11s}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ says n/a).  Needs PaddleNLP (``pip install .[nlp]``).  Name the CPU with every f
 Models (4 decoder layers, seq 512): small -- hidden 256, ffn 688, 8 heads, batch 2; wide --
 hidden 1024, ffn 2752, 16 heads, batch 1.
 """
+
 import argparse
 import os
 import statistics
@@ -40,8 +41,12 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES),
-                    help="PADDLE_MGRAD_RECOMPUTE_POLICY values to compare with none and full")
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        help="PADDLE_MGRAD_RECOMPUTE_POLICY values to compare with none and full",
+    )
     args = ap.parse_args()
     modes = ("none", "full", *args.policies)
 
@@ -57,12 +62,21 @@ def main():
 
     spec = dict(MODELS[args.model])
     batch = spec.pop("batch")
-    config = LlamaConfig(vocab_size=2048, num_hidden_layers=args.layers,
-                         num_key_value_heads=spec["num_attention_heads"],
-                         max_position_embeddings=args.seq, seq_length=args.seq,
-                         use_flash_attention=False, use_fused_rms_norm=False,
-                         use_fused_rope=False, recompute=True, recompute_granularity="full",
-                         recompute_use_reentrant=False, dtype="float32", **spec)
+    config = LlamaConfig(
+        vocab_size=2048,
+        num_hidden_layers=args.layers,
+        num_key_value_heads=spec["num_attention_heads"],
+        max_position_embeddings=args.seq,
+        seq_length=args.seq,
+        use_flash_attention=False,
+        use_fused_rms_norm=False,
+        use_fused_rope=False,
+        recompute=True,
+        recompute_granularity="full",
+        recompute_use_reentrant=False,
+        dtype="float32",
+        **spec,
+    )
     paddle.seed(0)
     model = LlamaForCausalLM(config)
     MixPrecisionLayer(model, dtype="bfloat16")  # fp32 params, fp32 main_grad kept across steps
@@ -98,41 +112,52 @@ def main():
     losses = {m: None for m in modes}
     stats.reset()
     for r in range(args.rounds):
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
             results = run(mode)
             times[mode].append(statistics.median(s for s, _, _ in results))
             peaks[mode].append(max((p for _, p, _ in results), default=None) if mem else None)
             losses[mode] = [lo for _, _, lo in results]
     counters = stats.snapshot()["policy"]
     threads = os.environ.get("OMP_NUM_THREADS", "?")
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, Paddle "
-          f"{paddle.__version__}; llama {args.model}: {args.layers} layers, hidden "
-          f"{config.hidden_size}, ffn {config.intermediate_size}, {config.num_attention_heads} "
-          f"heads, batch {batch}, seq {args.seq}; min over {args.rounds} rounds of the median "
-          f"of {args.steps} steps")
+    print(
+        f"{cpu_name()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, Paddle "
+        f"{paddle.__version__}; llama {args.model}: {args.layers} layers, hidden "
+        f"{config.hidden_size}, ffn {config.intermediate_size}, {config.num_attention_heads} "
+        f"heads, batch {batch}, seq {args.seq}; min over {args.rounds} rounds of the median "
+        f"of {args.steps} steps"
+    )
     base_t, base_p = min(times["none"]), max(peaks["none"]) if mem else None
     width = max(len(m) for m in modes)
-    print(f"{'mode':{width}s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} "
-          f"{'peak/none':>10s}")
+    print(
+        f"{'mode':{width}s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} {'peak/none':>10s}"
+    )
     for mode in modes:
         t = min(times[mode])
         p = max(peaks[mode]) if mem else None
-        print(f"{mode:{width}s} {t * 1e3:9.1f} {t / base_t:10.3f} "
-              + (f"{p / 2**20:9.1f} {p / base_p:10.3f}" if mem else f"{'n/a':>9s} {'n/a':>10s}"))
+        print(
+            f"{mode:{width}s} {t * 1e3:9.1f} {t / base_t:10.3f} "
+            + (f"{p / 2**20:9.1f} {p / base_p:10.3f}" if mem else f"{'n/a':>9s} {'n/a':>10s}")
+        )
     same = all(losses[m] == losses["none"] for m in modes)
     print(f"losses of the last round equal in all modes: {same}")
     for name in args.policies:
         c = counters.get(name, {})
-        print(f"  {name}: over {c.get('calls', 0)} block calls {c.get('kept_bytes', 0) / 2**20:.1f}"
-              f" MiB kept; {c.get('gemms_not_recomputed', 0)} GEMMs "
-              f"({c.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) and "
-              f"{c.get('sublayers_not_recomputed', 0)} sublayer calls not recomputed")
+        print(
+            f"  {name}: over {c.get('calls', 0)} block calls {c.get('kept_bytes', 0) / 2**20:.1f}"
+            f" MiB kept; {c.get('gemms_not_recomputed', 0)} GEMMs "
+            f"({c.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) and "
+            f"{c.get('sublayers_not_recomputed', 0)} sublayer calls not recomputed"
+        )
         for kind, plan in stats.snapshot()["plans"].get(name, {}).items():
-            print(f"    plan for {kind}: keep {plan['chosen']} within "
-                  f"{plan['budget_bytes'] / 2**20:.1f} of {plan['block_bytes'] / 2**20:.1f} MiB; "
-                  "measured ms / MiB: " + ", ".join(
-                      f"{n} {m['seconds'] * 1e3:.2f} / {m['bytes'] / 2**20:.2f}"
-                      for n, m in plan["measured"].items()))
+            print(
+                f"    plan for {kind}: keep {plan['chosen']} within "
+                f"{plan['budget_bytes'] / 2**20:.1f} of {plan['block_bytes'] / 2**20:.1f} MiB; "
+                "measured ms / MiB: "
+                + ", ".join(
+                    f"{n} {m['seconds'] * 1e3:.2f} / {m['bytes'] / 2**20:.2f}"
+                    for n, m in plan["measured"].items()
+                )
+            )
     return 0 if same else 1
 
 

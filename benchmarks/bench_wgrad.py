@@ -25,6 +25,7 @@ blocked DGEMM) against numpy's dgemm.
 
     python benchmarks/bench_wgrad.py [--tokens 4096] [--repeat 3] [--fp64]
 """
+
 import argparse
 import ctypes
 import functools
@@ -72,8 +73,11 @@ def dnnl_sgemm():
 
 
 # The GEMM each CPU tier of the op (``ops.backends()["cpu"]``) runs for fp32 inputs.
-FP32_GEMM = {"cpp-onednn": "dnnl_sgemm", "cpp-portable": "portable OpenMP sgemm",
-             "python": "pure-Paddle fallback: Paddle's matmul"}
+FP32_GEMM = {
+    "cpp-onednn": "dnnl_sgemm",
+    "cpp-portable": "portable OpenMP sgemm",
+    "python": "pure-Paddle fallback: Paddle's matmul",
+}
 
 
 def with_bf16_path(path, fn):
@@ -93,22 +97,34 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--shapes", default="1024x4096,4096x4096", help="KxN list")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--no-native", action="store_true",
-                    help="skip the forced oneDNN-bf16 path (slow on CPUs without native bf16)")
+    ap.add_argument(
+        "--no-native",
+        action="store_true",
+        help="skip the forced oneDNN-bf16 path (slow on CPUs without native bf16)",
+    )
     ap.add_argument("--no-unfused", action="store_true", help="skip Paddle's unfused path")
     ap.add_argument("--fp64", action="store_true", help="also time float64 against numpy dgemm")
-    ap.add_argument("--allow-fallback", action="store_true",
-                    help="time the pure-Paddle fallback when the C++ op did not build")
+    ap.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="time the pure-Paddle fallback when the C++ op did not build",
+    )
     args = ap.parse_args()
     if not ops.backend().startswith("cpp-") and not args.allow_fallback:
         # the figures would be Paddle's matmul labelled as ours
-        raise SystemExit(f"the C++ op is not in use (backend {ops.backend()}: "
-                         f"{ops.fallback_reason()}); pass --allow-fallback to time it anyway")
+        raise SystemExit(
+            f"the C++ op is not in use (backend {ops.backend()}: "
+            f"{ops.fallback_reason()}); pass --allow-fallback to time it anyway"
+        )
     info = ops.cpu_info()
-    print(f"CPU {cpu_name()}; ISA: {info['isa']}; native bf16: {info['native_bf16']}; "
-          f"bf16 path chosen at run time: {info['bf16_path']}")
-    print(f"paddle {paddle.__version__}, op backend {ops.backend()}, threads {_threads}, "
-          f"tokens {args.tokens}, numpy {np.__version__}")
+    print(
+        f"CPU {cpu_name()}; ISA: {info['isa']}; native bf16: {info['native_bf16']}; "
+        f"bf16 path chosen at run time: {info['bf16_path']}"
+    )
+    print(
+        f"paddle {paddle.__version__}, op backend {ops.backend()}, threads {_threads}, "
+        f"tokens {args.tokens}, numpy {np.__version__}"
+    )
     sg = dnnl_sgemm()
     fallback = ops.backends()["cpu"] == "python"
     ours32 = f"ours fp32 ({FP32_GEMM[ops.backends()['cpu']]})"
@@ -130,13 +146,28 @@ def main():
             if path is None:
                 return lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False)
             return lambda: with_bf16_path(
-                path, lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False))
+                path, lambda: ops.fused_linear_param_grad_add(x, dy, acc, None, True, False)
+            )
 
         # Closures bind this shape's arrays now (default arguments, partial).
         v = {ours32: op(x32, y32), "numpy sgemm": lambda xn=xn, yn=yn: xn.T @ yn}
         if sg is not None:
-            v["raw dnnl_sgemm"] = functools.partial(sg, b"T", b"N", K, N, T, 1.0, xn.ctypes.data, K,
-                                                    yn.ctypes.data, N, 1.0, cn.ctypes.data, N)
+            v["raw dnnl_sgemm"] = functools.partial(
+                sg,
+                b"T",
+                b"N",
+                K,
+                N,
+                T,
+                1.0,
+                xn.ctypes.data,
+                K,
+                yn.ctypes.data,
+                N,
+                1.0,
+                cn.ctypes.data,
+                N,
+            )
         v[f"ours bf16 ({info['bf16_path']}, auto)"] = op(xb, yb)
         if not fallback:  # the fallback has no bf16 paths to force
             v["ours bf16 (widen-sgemm, forced)"] = op(xb, yb, path="widen")
@@ -144,38 +175,53 @@ def main():
                 v["ours bf16 (onednn-bf16, forced)"] = op(xb, yb, path="native")
         v[f"ours fp16 ({FP32_GEMM['python'] if fallback else 'widen-sgemm'})"] = op(xh, yh)
         if not args.no_unfused:
+
             def unfused(xb=xb, yb=yb, mg=mg):
                 g = paddle.matmul(xb.astype("float32"), yb.astype("float32"), transpose_x=True)
                 mg.add_(g.astype("bfloat16").astype("float32"))
+
             v["Paddle unfused bf16 (cast+matmul+cast to bf16+cast+add_)"] = unfused
         if args.fp64:
             x64, y64 = xn.astype("float64"), yn.astype("float64")
             xd, yd = paddle.to_tensor(x64), paddle.to_tensor(y64)
             md = paddle.zeros([K, N], "float64")
-            v[f"ours fp64 ({FP32_GEMM['python'] if fallback else 'blocked DGEMM'})"] = op(xd, yd, md)
+            v[f"ours fp64 ({FP32_GEMM['python'] if fallback else 'blocked DGEMM'})"] = op(
+                xd, yd, md
+            )
             v["numpy dgemm"] = lambda x64=x64, y64=y64: x64.T @ y64
         t = bench_all(v, args.repeat)
         t32 = t[ours32]
         t_plain = min(t["numpy sgemm"], t.get("raw dnnl_sgemm", float("inf")))
         for what, tw in t.items():
-            dt = what.split()[1] if what.startswith("ours") else (
-                "fp64" if "dgemm" in what else ("bf16" if "bf16" in what else "fp32"))
+            dt = (
+                what.split()[1]
+                if what.startswith("ours")
+                else ("fp64" if "dgemm" in what else ("bf16" if "bf16" in what else "fp32"))
+            )
             base = t["numpy dgemm"] if dt == "fp64" else t_plain
             rows.append((name, dt, what, tw, tw / base, t32 / tw))
         summary.append((name, t32 / t[f"ours bf16 ({info['bf16_path']}, auto)"], t32 / t_plain))
     print()
-    print("| T x K x N | input | what | GFLOP/s | time / fastest plain sgemm | throughput / ours fp32 |")
+    print(
+        "| T x K x N | input | what | GFLOP/s | time / fastest plain sgemm | throughput / ours fp32 |"
+    )
     print("|---|---|---|---|---|---|")
     for name, dt, what, t, vs_plain, vs32 in rows:
         T, K, N = map(int, name.split("x"))
-        print(f"| {name} | {dt} | {what} | {2.0 * T * K * N / t / 1e9:.1f} | {vs_plain:.2f} | "
-              f"{vs32:.2f} |")
-    print(f"(best of {args.repeat} interleaved rounds; fp64 rows: 'time / fastest plain' is "
-          "against numpy's dgemm)")
+        print(
+            f"| {name} | {dt} | {what} | {2.0 * T * K * N / t / 1e9:.1f} | {vs_plain:.2f} | "
+            f"{vs32:.2f} |"
+        )
+    print(
+        f"(best of {args.repeat} interleaved rounds; fp64 rows: 'time / fastest plain' is "
+        "against numpy's dgemm)"
+    )
     target = ">= 1.8" if info["native_bf16"] else ">= 0.85"
     for name, ratio, fp32_vs_plain in summary:
-        print(f"{name}: bf16 (auto path) throughput / fp32 op = {ratio:.2f} (target {target}); "
-              f"fp32 op time / fastest plain sgemm = {fp32_vs_plain:.2f} (target <= 1.10)")
+        print(
+            f"{name}: bf16 (auto path) throughput / fp32 op = {ratio:.2f} (target {target}); "
+            f"fp32 op time / fastest plain sgemm = {fp32_vs_plain:.2f} (target <= 1.10)"
+        )
 
 
 if __name__ == "__main__":

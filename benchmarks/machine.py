@@ -1,4 +1,5 @@
 """What every benchmark prints with its figures: the machine it ran on."""
+
 import platform
 
 

@@ -16,6 +16,7 @@ shows no buffers of ours.
 
     python benchmarks/mem_widen_workspace.py [--shapes 4096x4096x4096,...]
 """
+
 import argparse
 import json
 import os
@@ -69,16 +70,36 @@ def main():
     ap.add_argument("--shapes", default="4096x4096x4096,4096x1024x4096,4096x4096x32000")
     args = ap.parse_args()
     MiB = 1 << 20
-    print("| T x K x N | dtype | path | multi_precision | op backend | our kept buffers (MiB) | "
-          "RSS added, 1st call (MiB) | after a 2nd call | 2nd thread, 1st call |")
+    print(
+        "| T x K x N | dtype | path | multi_precision | op backend | our kept buffers (MiB) | "
+        "RSS added, 1st call (MiB) | after a 2nd call | 2nd thread, 1st call |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         T, K, N = map(int, shape.split("x"))
-        for dtype, path, mp in (("bfloat16", "widen", True), ("bfloat16", "widen", False),
-                                ("float16", "widen", True), ("bfloat16", "native", True)):
-            r = subprocess.run([sys.executable, "-c", CASE, str(T), str(K), str(N), dtype,
-                                "1" if mp else "0", path, "1"], capture_output=True, text=True,
-                               env=dict(os.environ))
+        for dtype, path, mp in (
+            ("bfloat16", "widen", True),
+            ("bfloat16", "widen", False),
+            ("float16", "widen", True),
+            ("bfloat16", "native", True),
+        ):
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    CASE,
+                    str(T),
+                    str(K),
+                    str(N),
+                    dtype,
+                    "1" if mp else "0",
+                    path,
+                    "1",
+                ],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ),
+            )
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
             if r.returncode != 0 or not line:
                 print(f"| {shape} | {dtype} | {path} | {mp} | | failed: {r.stderr[-300:]} |")
@@ -91,8 +112,10 @@ def main():
                 kept = f"{main_[2] / MiB:.1f}"
                 if second[2] is not None and second[2] != main_[2]:
                     kept += f" (2nd thread {second[2] / MiB:.1f})"
-            print(f"| {shape} | {dtype} | {path} | {mp} | {res['backend']} | {kept}"
-                  f" | {main_[0] / MiB:.1f} | {main_[1] / MiB:.1f} | {second[0] / MiB:.1f} |")
+            print(
+                f"| {shape} | {dtype} | {path} | {mp} | {res['backend']} | {kept}"
+                f" | {main_[0] / MiB:.1f} | {main_[1] / MiB:.1f} | {second[0] / MiB:.1f} |"
+            )
 
 
 if __name__ == "__main__":

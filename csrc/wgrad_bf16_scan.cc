@@ -47,8 +47,7 @@ __attribute__((target("avx2"))) uint16_t mag_min_avx2(const uint16_t* p, int64_t
   return m;
 }
 
-__attribute__((target("avx512f,avx512bw"))) uint16_t mag_min_avx512(const uint16_t* p,
-                                                                     int64_t n) {
+__attribute__((target("avx512f,avx512bw"))) uint16_t mag_min_avx512(const uint16_t* p, int64_t n) {
   const __m512i mask = _mm512_set1_epi16(0x7fff), one = _mm512_set1_epi16(1);
   __m512i m0 = _mm512_set1_epi16(-1), m1 = m0;
   int64_t i = 0;

@@ -28,13 +28,21 @@ using pmg_capi::make_args;
 
 extern "C" {
 
-const char* pmg_cpu_gemm_backend() { return pmg::cpu_gemm_backend(); }
+const char* pmg_cpu_gemm_backend() {
+  return pmg::cpu_gemm_backend();
+}
 // What the CPU offers (run-time cpuid), and how a bf16 call would run now
 // ("onednn-bf16" or "widen-sgemm"; PADDLE_MGRAD_CPU_BF16 forces one).
-const char* pmg_cpu_isa() { return pmg::cpu_isa(); }
-const char* pmg_cpu_bf16_path() { return pmg::cpu_bf16_path(); }
+const char* pmg_cpu_isa() {
+  return pmg::cpu_isa();
+}
+const char* pmg_cpu_bf16_path() {
+  return pmg::cpu_bf16_path();
+}
 // What the CPU path keeps for the calling thread between calls (pmg::cpu_thread_scratch_bytes).
-uint64_t pmg_cpu_thread_scratch_bytes() { return pmg::cpu_thread_scratch_bytes(); }
+uint64_t pmg_cpu_thread_scratch_bytes() {
+  return pmg::cpu_thread_scratch_bytes();
+}
 
 int pmg_wgrad_cpu_c(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K, int64_t N,
                     void* dw, int dw_dtype, float dw_beta, void* db, int db_dtype, float db_beta,
@@ -91,9 +99,13 @@ int pmg_wgrad_cuda_c(const void* x, const void* dy, int in_dtype, int64_t M, int
                            err_len);
 }
 
-const char* pmg_cuda_targets() { return pmg::cuda_targets(); }
+const char* pmg_cuda_targets() {
+  return pmg::cuda_targets();
+}
 
-void pmg_cuda_stats(char* buf, int len) { copy_out(pmg::cuda_stats(), buf, len); }
+void pmg_cuda_stats(char* buf, int len) {
+  copy_out(pmg::cuda_stats(), buf, len);
+}
 #endif  // PMG_WITH_CUDA
 
 }  // extern "C"

@@ -35,22 +35,22 @@ using pmg_capi::make_args;
 // (tests/test_gpu_paths.py FakeGpuConfig).  Zeros give a plain 132-SM sm_90 whose heuristic
 // offers the same split-K-free algorithm with and without the epilogue.
 struct PmgFakeGpu {
-  int32_t sms;                  // 0: 132
-  int32_t capability;           // 0: 90
-  int32_t epi_missing;          // cuBLASLt offers no split-K-free BGRADA algorithm
+  int32_t sms;          // 0: 132
+  int32_t capability;   // 0: 90
+  int32_t epi_missing;  // cuBLASLt offers no split-K-free BGRADA algorithm
   int32_t epi_algo, epi_tile, epi_stages;
   float epi_waves;
-  int32_t plain_missing;        // no plain algorithm either
+  int32_t plain_missing;                                       // no plain algorithm either
   int32_t plain_algo, plain_tile, plain_stages, plain_splitk;  // splitk 0 = 1
   float plain_waves;
-  uint64_t gemm_workspace;      // the algorithms' workspace under the full limit
-  int32_t zero_ws_missing;      // no algorithm without workspace
-  uint64_t alloc_limit;         // allocations above this fail (0: none fails)
-  int32_t pending_error;        // a CUDA error is pending before the call
-  int32_t misplaced;            // 0 none; 1..4 x, dy, dweight, dbias is elsewhere (below)
+  uint64_t gemm_workspace;  // the algorithms' workspace under the full limit
+  int32_t zero_ws_missing;  // no algorithm without workspace
+  uint64_t alloc_limit;     // allocations above this fail (0: none fails)
+  int32_t pending_error;    // a CUDA error is pending before the call
+  int32_t misplaced;        // 0 none; 1..4 x, dy, dweight, dbias is elsewhere (below)
   int32_t misplaced_kind, misplaced_device;  // PointerPlace kind/device for that pointer
-  int32_t stream_elsewhere;     // 0: the stream is on the call's device; d + 1: on gpu:d
-  int32_t cuda_major;           // the CUDA release built against; 0: 13
+  int32_t stream_elsewhere;  // 0: the stream is on the call's device; d + 1: on gpu:d
+  int32_t cuda_major;        // the CUDA release built against; 0: 13
 };
 
 namespace {
@@ -80,7 +80,8 @@ struct FakeGpu {
     static const char* const names[] = {"", "x", "dy", "dweight", "dbias"};
     out->kind = 2;
     out->device = device;
-    if (cfg.misplaced > 0 && cfg.misplaced <= 4 && std::strcmp(out->name, names[cfg.misplaced]) == 0) {
+    if (cfg.misplaced > 0 && cfg.misplaced <= 4 &&
+        std::strcmp(out->name, names[cfg.misplaced]) == 0) {
       out->kind = cfg.misplaced_kind;
       out->device = cfg.misplaced_device;
     }
@@ -92,14 +93,14 @@ struct FakeGpu {
   }
   std::string heuristic(const pmg::WgradArgs& a, bool epilogue, uint64_t max_ws,
                         pmg::GemmCandidate* out, std::string* why, pmg::CudaReport* rep) {
-    log(std::string("heuristic(") + (epilogue ? "epilogue" : "plain") + ",M=" +
-        std::to_string(pmg::heuristic_rows(a.M)) + ",ws<=" + std::to_string(max_ws) + ")");
+    log(std::string("heuristic(") + (epilogue ? "epilogue" : "plain") +
+        ",M=" + std::to_string(pmg::heuristic_rows(a.M)) + ",ws<=" + std::to_string(max_ws) + ")");
     rep->align[0] = pmg::pointer_alignment(a.dy);
     rep->align[1] = pmg::pointer_alignment(a.x);
     rep->align[2] = rep->align[3] = pmg::pointer_alignment(a.dw);
     pmg::GemmCandidate g;
-    const bool missing = (epilogue ? cfg.epi_missing : cfg.plain_missing) ||
-                         (max_ws == 0 && cfg.zero_ws_missing);
+    const bool missing =
+        (epilogue ? cfg.epi_missing : cfg.plain_missing) || (max_ws == 0 && cfg.zero_ws_missing);
     g.found = !missing;
     if (epilogue) {
       g.algo_id = cfg.epi_algo;
@@ -116,7 +117,8 @@ struct FakeGpu {
     }
     g.workspace = std::min<uint64_t>(cfg.gemm_workspace, max_ws);
     if (!g.found)
-      *why = std::string("cuBLASLt offers no ") + (epilogue ? "split-K-free BGRADA-epilogue " : "") +
+      *why = std::string("cuBLASLt offers no ") +
+             (epilogue ? "split-K-free BGRADA-epilogue " : "") +
              "algorithm (fake, workspace <= " + std::to_string(max_ws) + ")";
     *out = g;
     return "";
@@ -137,8 +139,10 @@ struct FakeGpu {
     }
     if (exec->alloc) {  // the binding's allocator (FakeHost: it logs, and may fail)
       void* p = exec->alloc(bytes, exec->alloc_user);
-      if (p == nullptr) *why = "the allocator returned null";
-      else rep->workspace_from = "allocator";
+      if (p == nullptr)
+        *why = "the allocator returned null";
+      else
+        rep->workspace_from = "allocator";
       return p;
     }
     log("alloc(" + std::to_string(bytes) + ")");
@@ -148,10 +152,10 @@ struct FakeGpu {
   }
   std::string launch(const pmg::WgradArgs&, const pmg::CallPlan& cp, char*, int) {
     if (fail & 4) return "fake core failure";
-    log(std::string("launch(bias=") + pmg::bias_path_name(cp.path) + ",gemm_ws=" +
-        std::to_string(cp.gemm.found ? cp.gemm.workspace : 0) + ",splitk=" +
-        std::to_string(cp.gemm.found ? cp.gemm.splitk : 0) + ",splits=" +
-        std::to_string(cp.ws.splits) + ")");
+    log(std::string("launch(bias=") + pmg::bias_path_name(cp.path) +
+        ",gemm_ws=" + std::to_string(cp.gemm.found ? cp.gemm.workspace : 0) +
+        ",splitk=" + std::to_string(cp.gemm.found ? cp.gemm.splitk : 0) +
+        ",splits=" + std::to_string(cp.ws.splits) + ")");
     return "";
   }
 };
@@ -233,9 +237,9 @@ struct FakeHost {
     return h->buffers.back().data();
   }
   std::string run_core(const pmg::WgradArgs& a, const pmg::CudaExec& exec) {
-    log("core(device=" + std::to_string(exec.device) + ",stream=" +
-        std::to_string(reinterpret_cast<uintptr_t>(exec.stream) - 0x5000) + ",bias=" +
-        pmg::bias_mode_name(exec.bias_mode) + ")");
+    log("core(device=" + std::to_string(exec.device) +
+        ",stream=" + std::to_string(reinterpret_cast<uintptr_t>(exec.stream) - 0x5000) +
+        ",bias=" + pmg::bias_mode_name(exec.bias_mode) + ")");
     if (fail & 16) {
       log("throw");
       throw std::runtime_error("fake exception from the core");
@@ -259,7 +263,9 @@ extern "C" {
 // core runs before it; benchmarks/bench_bf16_scan.py times it against the GEMM), else 0.
 int pmg_bf16_native_is_exact_c(const void* x, int64_t nx, const void* dy, int64_t ny) {
   return pmg::bf16_native_is_exact(static_cast<const uint16_t*>(x), nx,
-                                   static_cast<const uint16_t*>(dy), ny) ? 1 : 0;
+                                   static_cast<const uint16_t*>(dy), ny)
+             ? 1
+             : 0;
 }
 
 int pmg_bf16_min_nonzero_bits_c(const void* p, int64_t n, int kernel) {
@@ -302,21 +308,23 @@ int pmg_choose_bias(int in_dtype, int64_t M, int64_t K, int64_t N, int has_dw, i
 // splits, total, request.
 void pmg_plan_workspace(int in_dtype, int64_t M, int64_t K, int64_t N, int bias_path,
                         uint64_t gemm_workspace, int sms, int64_t* out) {
-  const pmg::WgradArgs a = make_args(nullptr, nullptr, in_dtype, M, K, N, nullptr, 0, 1.f, nullptr,
-                                     0, 1.f);
+  const pmg::WgradArgs a =
+      make_args(nullptr, nullptr, in_dtype, M, K, N, nullptr, 0, 1.f, nullptr, 0, 1.f);
   const pmg::WorkspacePlan w =
       pmg::plan_workspace(a, static_cast<pmg::BiasPath>(bias_path), gemm_workspace, sms);
-  const int64_t v[8] = {static_cast<int64_t>(w.gemm_offset), static_cast<int64_t>(w.bias_tmp_offset),
-                        static_cast<int64_t>(w.bias_tmp_bytes), static_cast<int64_t>(w.partial_offset),
-                        static_cast<int64_t>(w.partial_bytes), w.splits,
-                        static_cast<int64_t>(w.total), static_cast<int64_t>(w.request)};
+  const int64_t v[8] = {
+      static_cast<int64_t>(w.gemm_offset),    static_cast<int64_t>(w.bias_tmp_offset),
+      static_cast<int64_t>(w.bias_tmp_bytes), static_cast<int64_t>(w.partial_offset),
+      static_cast<int64_t>(w.partial_bytes),  w.splits,
+      static_cast<int64_t>(w.total),          static_cast<int64_t>(w.request)};
   std::memcpy(out, v, sizeof(v));
 }
 
 int pmg_check_element_alignment(const void* x, const void* dy, int in_dtype, int64_t M, int64_t K,
                                 int64_t N, void* dw, int dw_dtype, void* db, int db_dtype,
                                 char* err, int err_len) {
-  const pmg::WgradArgs a = make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, 1.f, db, db_dtype, 1.f);
+  const pmg::WgradArgs a =
+      make_args(x, dy, in_dtype, M, K, N, dw, dw_dtype, 1.f, db, db_dtype, 1.f);
   return finish(pmg::check_element_alignment(a), err, err_len);
 }
 
@@ -431,7 +439,9 @@ void pmg_bias_reduce_reference(const void* dy, int in_dtype, int64_t M, int64_t 
   pmg::bias_reduce_reference(dy, t, M, N, pmg::plan_bias_kernel(M, N, t, dy_address, sms), out);
 }
 
-int64_t pmg_heuristic_rows(int64_t M) { return pmg::heuristic_rows(M); }
+int64_t pmg_heuristic_rows(int64_t M) {
+  return pmg::heuristic_rows(M);
+}
 
 // The algorithm cache's behaviour for a sequence of token counts (one shape otherwise):
 // out[0] heuristic queries, out[1] final size, out[2] evictions.

@@ -50,7 +50,8 @@ inline int finish(const std::string& msg, char* err, int err_len) {
 inline std::string cuda_entry_problem(const pmg::WgradArgs& a, int bias_mode) {
   std::string bad = pmg::check_args(a);
   if (bad.empty() && (bias_mode < 0 || bias_mode > 2))
-    bad = "bias_mode must be 0 (auto), 1 (epilogue) or 2 (kernel), got " + std::to_string(bias_mode);
+    bad =
+        "bias_mode must be 0 (auto), 1 (epilogue) or 2 (kernel), got " + std::to_string(bias_mode);
   return bad;
 }
 

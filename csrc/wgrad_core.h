@@ -26,24 +26,30 @@ const char* dtype_name(DType t);
 // Bytes per element of a dtype (4, 2, 2, 8).
 size_t dtype_bytes(DType t);
 
-inline bool valid_dtype_code(int d) { return d >= 0 && d <= 3; }
+inline bool valid_dtype_code(int d) {
+  return d >= 0 && d <= 3;
+}
 
 // Paddle's MPTypeTrait: the accumulation type of an input dtype.
-inline DType mp_type(DType in) { return in == DType::kF64 ? DType::kF64 : DType::kF32; }
+inline DType mp_type(DType in) {
+  return in == DType::kF64 ? DType::kF64 : DType::kF32;
+}
 
 // THE accumulator rule (checked here for both bindings, and once in Python's
 // ops._check): an accumulator is the input dtype or its multi-precision type.
-inline bool acc_dtype_ok(DType in, DType acc) { return acc == in || acc == mp_type(in); }
+inline bool acc_dtype_ok(DType in, DType acc) {
+  return acc == in || acc == mp_type(in);
+}
 
 struct WgradArgs {
   const void* x = nullptr;   // [M, K], dtype in_dtype
   const void* dy = nullptr;  // [M, N], dtype in_dtype
   DType in_dtype = DType::kF32;
   int64_t M = 0, K = 0, N = 0;
-  void* dw = nullptr;        // [K, N], dtype dw_dtype (may be null: skip)
+  void* dw = nullptr;  // [K, N], dtype dw_dtype (may be null: skip)
   DType dw_dtype = DType::kF32;
   float dw_beta = 1.f;
-  void* db = nullptr;        // [N], dtype db_dtype (may be null: skip)
+  void* db = nullptr;  // [N], dtype db_dtype (may be null: skip)
   DType db_dtype = DType::kF32;
   float db_beta = 1.f;
 };

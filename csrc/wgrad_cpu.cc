@@ -75,8 +75,8 @@ namespace {
 // bound is cpu::kMaxChunkRows in wgrad_cpu_env.cc).
 constexpr int64_t kWidenBudget = int64_t(64) << 20;
 constexpr int64_t kMinChunkRows = 256;
-constexpr int64_t kKB = 16;          // portable GEMM: rows of C per tile
-constexpr int64_t kNB = 512;         // portable GEMM / bias: columns per tile
+constexpr int64_t kKB = 16;   // portable GEMM: rows of C per tile
+constexpr int64_t kNB = 512;  // portable GEMM / bias: columns per tile
 // bias sums of fewer elements of dY run on the calling thread (see bias_columns)
 constexpr int64_t kParallelBiasElems = int64_t(1) << 22;
 }  // namespace
@@ -105,8 +105,8 @@ namespace {
 // "" when `acc` may accumulate `in` inputs (acc_dtype_ok), else the message naming `what`.
 std::string acc_problem(const char* what, DType in, DType acc) {
   if (acc_dtype_ok(in, acc)) return "";
-  return std::string(what) + " is " + dtype_name(acc) + "; it must be " + dtype_name(in) +
-         " or " + dtype_name(mp_type(in)) + " for " + dtype_name(in) + " inputs";
+  return std::string(what) + " is " + dtype_name(acc) + "; it must be " + dtype_name(in) + " or " +
+         dtype_name(mp_type(in)) + " for " + dtype_name(in) + " inputs";
 }
 }  // namespace
 
@@ -158,7 +158,7 @@ void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
 
 #ifdef PMG_X86
 __attribute__((target("avx,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t n,
-                                                         float* dst) {
+                                                        float* dst) {
   const int64_t blocks = n / 8;
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -181,8 +181,8 @@ void widen(const void* src, DType t, int64_t n, float* dst) {
 
 // ------------------------------------------------------------ fp32 GEMM
 // C[K, N] = beta * C + A[M, K]^T . B[M, N], fp32, row-major.
-void portable_sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K,
-                       int64_t N, float beta) {
+void portable_sgemm_tn(const float* A, const float* B, float* C, int64_t M, int64_t K, int64_t N,
+                       float beta) {
   scale_or_zero(C, K * N, beta);
   const int64_t kt = (K + kKB - 1) / kKB, nt = (N + kNB - 1) / kNB;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -289,10 +289,10 @@ std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
   rows = (M + chunks - 1) / chunks;
   float* xa = thread_scratch(kWidenScratch, rows * (K + N));
   if (xa == nullptr)
-    return "cannot allocate " + std::to_string(rows * (K + N) * 4) +
-           " bytes to widen " + dtype_name(a.in_dtype) + " inputs to float32 (" +
-           std::to_string(rows) + " rows of K=" + std::to_string(K) + " + N=" +
-           std::to_string(N) + "); set PADDLE_MGRAD_CPU_CHUNK_ROWS lower";
+    return "cannot allocate " + std::to_string(rows * (K + N) * 4) + " bytes to widen " +
+           dtype_name(a.in_dtype) + " inputs to float32 (" + std::to_string(rows) +
+           " rows of K=" + std::to_string(K) + " + N=" + std::to_string(N) +
+           "); set PADDLE_MGRAD_CPU_CHUNK_ROWS lower";
   float* ya = xa + rows * K;
   const size_t es = dtype_bytes(a.in_dtype);
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
@@ -303,7 +303,6 @@ std::string gemm_f32acc(const WgradArgs& a, float* C, float beta) {
   }
   return "";
 }
-
 
 // ------------------------------------------------------------ bias
 // db[N] = beta * db + the column sums of dY[M, N], in column tiles over the threads.
@@ -369,8 +368,8 @@ std::string wgrad_mp(const WgradArgs& a) {
     scale_or_zero(C, a.K * a.N, a.dw_beta);
     return "";
   }
-  return cpu::dgemm_tn(static_cast<const double*>(a.x), static_cast<const double*>(a.dy), C,
-                       a.M, a.K, a.N, a.dw_beta);
+  return cpu::dgemm_tn(static_cast<const double*>(a.x), static_cast<const double*>(a.dy), C, a.M,
+                       a.K, a.N, a.dw_beta);
 }
 
 // Same-precision gradient (multi_precision=False, bf16/fp16 dW): accumulate in fp32, round

@@ -25,7 +25,9 @@ inline float float_of(uint32_t u) {
 }
 }  // namespace cpu
 
-inline float bf16_to_f32(uint16_t v) { return cpu::float_of(static_cast<uint32_t>(v) << 16); }
+inline float bf16_to_f32(uint16_t v) {
+  return cpu::float_of(static_cast<uint32_t>(v) << 16);
+}
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u = cpu::bits_of(f);
@@ -62,12 +64,12 @@ inline uint16_t f32_to_f16(float f) {
   const uint32_t u = cpu::bits_of(f);
   uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u;             // NaN
-  if (a >= 0x477ff000u) return sign | 0x7c00u;            // overflow (incl. inf) -> inf
-  if (a < 0x38800000u) {                                  // result is subnormal or zero
-    if (a < 0x33000000u) return sign;                     // < half the smallest subnormal
+  if (a > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // overflow (incl. inf) -> inf
+  if (a < 0x38800000u) {                        // result is subnormal or zero
+    if (a < 0x33000000u) return sign;           // < half the smallest subnormal
     uint32_t man = (a & 0x7fffffu) | 0x800000u;
-    int shift = 126 - static_cast<int>(a >> 23);          // 14..24
+    int shift = 126 - static_cast<int>(a >> 23);  // 14..24
     uint32_t half = man >> shift;
     uint32_t rem = man & ((1u << shift) - 1);
     uint32_t mid = 1u << (shift - 1);

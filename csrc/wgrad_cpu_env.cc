@@ -60,10 +60,10 @@ Isa detect_isa() {
   s.avx512_bf16 = s.avx512_core && (a71 & (1u << 5));
   s.amx_bf16 = s.avx512_core && os_amx && (d7 & (1u << 22)) && (d7 & (1u << 24));
 #endif
-  const char* names[] = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_core", "avx512_bf16",
-                         "amx_bf16"};
-  const bool flags[] = {s.avx, s.avx2, s.fma, s.f16c, s.avx512f, s.avx512_core, s.avx512_bf16,
-                        s.amx_bf16};
+  const char* names[] = {"avx",     "avx2",        "fma",         "f16c",
+                         "avx512f", "avx512_core", "avx512_bf16", "amx_bf16"};
+  const bool flags[] = {s.avx,     s.avx2,        s.fma,         s.f16c,
+                        s.avx512f, s.avx512_core, s.avx512_bf16, s.amx_bf16};
   for (int i = 0; i < 8; ++i)
     if (flags[i]) s.text += (s.text.empty() ? "" : " ") + std::string(names[i]);
   if (s.text.empty()) s.text = "baseline";
@@ -176,7 +176,9 @@ void count_bf16_exact_fallback() {
 using cpu::Bf16Path;
 using cpu::isa;
 
-const char* cpu_isa() { return isa().text.c_str(); }
+const char* cpu_isa() {
+  return isa().text.c_str();
+}
 // The CPU has the instructions AND oneDNN will use them (ONEDNN_MAX_CPU_ISA may cap it):
 // otherwise oneDNN's bf16 GEMM is a slow reference kernel, and widening is faster.
 bool cpu_has_native_bf16() {
@@ -194,7 +196,9 @@ const char* cpu_bf16_path() {
   return path == Bf16Path::kOnednn ? "onednn-bf16" : "widen-sgemm";
 }
 
-uint64_t cpu_bf16_exact_fallbacks() { return cpu::g_bf16_exact_fallbacks.load(); }
+uint64_t cpu_bf16_exact_fallbacks() {
+  return cpu::g_bf16_exact_fallbacks.load();
+}
 
 std::string cpu_env_problem(DType in_dtype) {
   std::string err;

@@ -13,8 +13,8 @@ namespace cpu {
 
 // What cpuid + xgetbv say (false off x86), and the flags as one line of text.
 struct Isa {
-  bool avx = false, avx2 = false, fma = false, f16c = false, avx512f = false,
-       avx512_core = false, avx512_bf16 = false, amx_bf16 = false;
+  bool avx = false, avx2 = false, fma = false, f16c = false, avx512f = false, avx512_core = false,
+       avx512_bf16 = false, amx_bf16 = false;
   std::string text;
 };
 

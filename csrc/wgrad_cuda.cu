@@ -54,26 +54,26 @@
 namespace pmg {
 namespace {
 
-#define PMG_CUDA(expr)                                                                     \
-  do {                                                                                     \
-    cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess)                                                                 \
-      return std::string(#expr) + " failed: " + cudaGetErrorString(e_) + " (" + __FILE__ + \
-             ":" + std::to_string(__LINE__) + ")";                                         \
+#define PMG_CUDA(expr)                                                                           \
+  do {                                                                                           \
+    cudaError_t e_ = (expr);                                                                     \
+    if (e_ != cudaSuccess)                                                                       \
+      return std::string(#expr) + " failed: " + cudaGetErrorString(e_) + " (" + __FILE__ + ":" + \
+             std::to_string(__LINE__) + ")";                                                     \
   } while (0)
 
-#define PMG_CUBLAS(expr)                                                                     \
-  do {                                                                                       \
-    cublasStatus_t s_ = (expr);                                                              \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                         \
-      return std::string(#expr) + " failed: " + cublasLtGetStatusString(s_) + " (" +         \
-             __FILE__ + ":" + std::to_string(__LINE__) + ")";                                \
+#define PMG_CUBLAS(expr)                                                                        \
+  do {                                                                                          \
+    cublasStatus_t s_ = (expr);                                                                 \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                            \
+      return std::string(#expr) + " failed: " + cublasLtGetStatusString(s_) + " (" + __FILE__ + \
+             ":" + std::to_string(__LINE__) + ")";                                              \
   } while (0)
 
-#define PMG_TRY(expr)                   \
-  do {                                  \
-    std::string m_ = (expr);            \
-    if (!m_.empty()) return m_;         \
+#define PMG_TRY(expr)           \
+  do {                          \
+    std::string m_ = (expr);    \
+    if (!m_.empty()) return m_; \
   } while (0)
 
 #ifdef PMG_CUDA_TARGETS
@@ -81,7 +81,6 @@ const char* const kTargets = PMG_STR(PMG_CUDA_TARGETS);
 #else
 const char* const kTargets = "";  // not recorded: only the driver's image check applies
 #endif
-
 
 constexpr int kHeuristicResults = 8;
 // The epilogue's bias pointer while asking the heuristic: only its alignment matters there
@@ -97,9 +96,9 @@ struct AlgoKey {
   uint64_t max_ws;
   uint32_t a0, a1, a2, a3;
   bool operator<(const AlgoKey& o) const {
-    return std::tie(device, m, n, k, in_t, c_t, beta_zero, epilogue, exact, max_ws, a0, a1, a2, a3) <
-           std::tie(o.device, o.m, o.n, o.k, o.in_t, o.c_t, o.beta_zero, o.epilogue, o.exact,
-                    o.max_ws, o.a0, o.a1, o.a2, o.a3);
+    return std::tie(device, m, n, k, in_t, c_t, beta_zero, epilogue, exact, max_ws, a0, a1, a2,
+                    a3) < std::tie(o.device, o.m, o.n, o.k, o.in_t, o.c_t, o.beta_zero, o.epilogue,
+                                   o.exact, o.max_ws, o.a0, o.a1, o.a2, o.a3);
   }
 };
 
@@ -129,13 +128,21 @@ cudaDataType_t cuda_type(DType t) {
 template <typename A, typename T>
 __device__ __forceinline__ A to_acc(T v);
 template <>
-__device__ __forceinline__ float to_acc<float, float>(float v) { return v; }
+__device__ __forceinline__ float to_acc<float, float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc<float, __nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <>
-__device__ __forceinline__ float to_acc<float, __half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc<float, __half>(__half v) {
+  return __half2float(v);
+}
 template <>
-__device__ __forceinline__ double to_acc<double, double>(double v) { return v; }
+__device__ __forceinline__ double to_acc<double, double>(double v) {
+  return v;
+}
 
 __device__ __forceinline__ double load_any(const void* p, int t, int64_t i) {
   if (t == 0) return static_cast<const float*>(p)[i];
@@ -146,10 +153,14 @@ __device__ __forceinline__ double load_any(const void* p, int t, int64_t i) {
 
 template <typename A>
 __device__ __forceinline__ void store_any(void* p, int t, int64_t i, A v) {
-  if (t == 0) static_cast<float*>(p)[i] = static_cast<float>(v);
-  else if (t == 1) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(static_cast<float>(v));
-  else if (t == 3) static_cast<double*>(p)[i] = static_cast<double>(v);
-  else static_cast<__half*>(p)[i] = __float2half(static_cast<float>(v));
+  if (t == 0)
+    static_cast<float*>(p)[i] = static_cast<float>(v);
+  else if (t == 1)
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(static_cast<float>(v));
+  else if (t == 3)
+    static_cast<double*>(p)[i] = static_cast<double>(v);
+  else
+    static_cast<__half*>(p)[i] = __float2half(static_cast<float>(v));
 }
 
 // Pass 1 (see BiasKernelPlan): partial[s, n] = sum of dY[m, n] over the s-th slice of rows.
@@ -192,7 +203,8 @@ __global__ void bias_partial(const T* __restrict__ dy, int64_t M, int64_t N, int
     if (ty < stride) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
-        sm[(ty * nx + tx) * VEC + j] = sm[(ty * nx + tx) * VEC + j] + sm[((ty + stride) * nx + tx) * VEC + j];
+        sm[(ty * nx + tx) * VEC + j] =
+            sm[(ty * nx + tx) * VEC + j] + sm[((ty + stride) * nx + tx) * VEC + j];
     }
     __syncthreads();
   }
@@ -272,7 +284,7 @@ struct ThreadDevice {
   int sms = 0, cap = 0;
   bool pools = false;  // cudaMallocAsync usable
   cublasLtMatmulDesc_t ops[2][2] = {{nullptr, nullptr}, {nullptr, nullptr}};  // [f64][epilogue]
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // the call's layouts
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;               // the call's layouts
   cublasLtMatrixLayout_t qa = nullptr, qb = nullptr;  // the heuristic's (rows rounded)
   cublasLtMatmulPreference_t pref = nullptr;
   std::map<int, std::string> images;  // kernel set -> "" or error
@@ -311,11 +323,14 @@ std::string thread_device(int device, ThreadDevice** out) {
         PMG_CUBLAS(cublasLtMatmulDescCreate(&op, f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
                                             f64 ? CUDA_R_64F : CUDA_R_32F));
         const cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_T;
-        PMG_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-        PMG_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+        PMG_CUBLAS(
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+        PMG_CUBLAS(
+            cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
         if (epi) {
           const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BGRADA;
-          PMG_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+          PMG_CUBLAS(
+              cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
           PMG_CUBLAS(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                     &kAligned256, sizeof(kAligned256)));
         }
@@ -346,9 +361,12 @@ GemmCandidate describe(const cublasLtMatmulHeuristicResult_t& r) {
   g.workspace = r.workspaceSize;
   g.waves = r.wavesCount;
   size_t written = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_ID, &g.algo_id, sizeof(g.algo_id), &written);
-  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &g.tile, sizeof(g.tile), &written);
-  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &g.stages, sizeof(g.stages), &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_ID, &g.algo_id,
+                                       sizeof(g.algo_id), &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &g.tile,
+                                       sizeof(g.tile), &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &g.stages,
+                                       sizeof(g.stages), &written);
   if (cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &g.splitk,
                                            sizeof(g.splitk), &written) != CUBLAS_STATUS_SUCCESS)
     g.splitk = -1;  // unknown: never taken for the epilogue
@@ -400,7 +418,8 @@ struct CudaGpu {
     const cudaError_t e = cudaPointerGetAttributes(&attr, p);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      return std::string("cudaPointerGetAttributes(") + out->name + ") failed: " + cudaGetErrorString(e);
+      return std::string("cudaPointerGetAttributes(") + out->name +
+             ") failed: " + cudaGetErrorString(e);
     }
     switch (attr.type) {
       case cudaMemoryTypeDevice: out->kind = 2; break;
@@ -446,8 +465,20 @@ struct CudaGpu {
     const uint32_t al[4] = {pointer_alignment(p.dy), pointer_alignment(p.x),
                             pointer_alignment(p.dw), pointer_alignment(p.dw)};
     std::copy(al, al + 4, rep->align);
-    AlgoKey key{exec.device, m, n, qk, static_cast<int>(p.in_dtype), static_cast<int>(p.dw_dtype),
-                p.dw_beta == 0.f, epilogue, false, max_ws, al[0], al[1], al[2], al[3]};
+    AlgoKey key{exec.device,
+                m,
+                n,
+                qk,
+                static_cast<int>(p.in_dtype),
+                static_cast<int>(p.dw_dtype),
+                p.dw_beta == 0.f,
+                epilogue,
+                false,
+                max_ws,
+                al[0],
+                al[1],
+                al[2],
+                al[3]};
     AlgoEntry e;
     bool have = false;
     for (int attempt = 0; attempt < 2; ++attempt) {  // the bucket's algorithm, else M's own
@@ -497,12 +528,14 @@ struct CudaGpu {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; ++i)
-      PMG_CUBLAS(cublasLtMatmulPreferenceSetAttribute(dev->pref, align_attr[i], &al[i], sizeof(al[i])));
+      PMG_CUBLAS(
+          cublasLtMatmulPreferenceSetAttribute(dev->pref, align_attr[i], &al[i], sizeof(al[i])));
     cublasLtMatmulHeuristicResult_t results[kHeuristicResults];
     int count = 0;
     g_heuristic_queries++;
-    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(
-        dev->handle, op, dev->qa, dev->qb, dev->c, dev->c, dev->pref, kHeuristicResults, results, &count);
+    const cublasStatus_t s =
+        cublasLtMatmulAlgoGetHeuristic(dev->handle, op, dev->qa, dev->qb, dev->c, dev->c, dev->pref,
+                                       kHeuristicResults, results, &count);
     if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED)
       return std::string("cublasLtMatmulAlgoGetHeuristic failed: ") + cublasLtGetStatusString(s);
     for (int i = 0; s == CUBLAS_STATUS_SUCCESS && i < count; ++i) {
@@ -516,12 +549,14 @@ struct CudaGpu {
       break;
     }
     if (!e->cand.found)
-      e->why = std::string("cuBLASLt offers no ") + (epilogue ? "split-K-free BGRADA-epilogue " : "") +
-               "algorithm for dW[" + std::to_string(p.K) + ", " + std::to_string(p.N) +
-               "] += X^T.dY over " + std::to_string(p.M) + " rows (" + dtype_name(p.in_dtype) +
-               " -> " + dtype_name(p.dw_dtype) + ", alignments " + std::to_string(al[0]) + "/" +
-               std::to_string(al[1]) + "/" + std::to_string(al[2]) + " bytes, workspace <= " +
-               std::to_string(max_ws) + (s == CUBLAS_STATUS_NOT_SUPPORTED ? ", not supported" : "") + ")";
+      e->why = std::string("cuBLASLt offers no ") +
+               (epilogue ? "split-K-free BGRADA-epilogue " : "") + "algorithm for dW[" +
+               std::to_string(p.K) + ", " + std::to_string(p.N) + "] += X^T.dY over " +
+               std::to_string(p.M) + " rows (" + dtype_name(p.in_dtype) + " -> " +
+               dtype_name(p.dw_dtype) + ", alignments " + std::to_string(al[0]) + "/" +
+               std::to_string(al[1]) + "/" + std::to_string(al[2]) +
+               " bytes, workspace <= " + std::to_string(max_ws) +
+               (s == CUBLAS_STATUS_NOT_SUPPORTED ? ", not supported" : "") + ")";
     return "";
   }
 
@@ -543,8 +578,9 @@ struct CudaGpu {
     auto it = dev->images.find(set);
     if (it == dev->images.end()) it = dev->images.emplace(set, driver_images(set)).first;
     if (!it->second.empty())
-      return "no kernel image of paddle_mgrad's bias kernels for this GPU (" + capability_name(cap) +
-             ", built for " + (*kTargets ? kTargets : "unrecorded targets") + "): " + it->second + fix;
+      return "no kernel image of paddle_mgrad's bias kernels for this GPU (" +
+             capability_name(cap) + ", built for " + (*kTargets ? kTargets : "unrecorded targets") +
+             "): " + it->second + fix;
     return "";
   }
 
@@ -572,8 +608,9 @@ struct CudaGpu {
       return nullptr;
     }
     if (!dev->pools) {
-      *why = "this GPU has no stream-ordered allocator (cudaMallocAsync): pass a workspace or an "
-             "allocator";
+      *why =
+          "this GPU has no stream-ordered allocator (cudaMallocAsync): pass a workspace or an "
+          "allocator";
       return nullptr;
     }
     void* p = nullptr;
@@ -600,7 +637,9 @@ struct CudaGpu {
       void* part = base + cp.ws.partial_offset;
       switch (a.in_dtype) {
         case DType::kF32: launch_partial<float, float>(bp, a.dy, a.M, a.N, part, st); break;
-        case DType::kBF16: launch_partial<__nv_bfloat16, float>(bp, a.dy, a.M, a.N, part, st); break;
+        case DType::kBF16:
+          launch_partial<__nv_bfloat16, float>(bp, a.dy, a.M, a.N, part, st);
+          break;
         case DType::kF16: launch_partial<__half, float>(bp, a.dy, a.M, a.N, part, st); break;
         case DType::kF64: launch_partial<double, double>(bp, a.dy, a.M, a.N, part, st); break;
       }
@@ -621,13 +660,13 @@ struct CudaGpu {
       const float alpha = 1.f, beta = a.dw_beta;
       const double alpha64 = 1.0, beta64 = a.dw_beta;  // the scale type is fp64 for fp64 compute
       const size_t ws = cp.gemm.workspace;
-      PMG_CUBLAS(cublasLtMatmul(dev->handle, op, f64 ? static_cast<const void*>(&alpha64) : &alpha,
-                                a.dy, dev->a, a.x, dev->b,
-                                f64 ? static_cast<const void*>(&beta64) : &beta, a.dw, dev->c, a.dw,
-                                dev->c, &algo[epi ? 1 : 0], ws ? base + cp.ws.gemm_offset : nullptr,
-                                ws, st));
+      PMG_CUBLAS(cublasLtMatmul(
+          dev->handle, op, f64 ? static_cast<const void*>(&alpha64) : &alpha, a.dy, dev->a, a.x,
+          dev->b, f64 ? static_cast<const void*>(&beta64) : &beta, a.dw, dev->c, a.dw, dev->c,
+          &algo[epi ? 1 : 0], ws ? base + cp.ws.gemm_offset : nullptr, ws, st));
     } else if (gemm && a.dw_beta == 0.f) {  // no rows: dW = 0 * dW (beta 1: untouched)
-      PMG_CUDA(cudaMemsetAsync(a.dw, 0, static_cast<size_t>(a.K * a.N) * dtype_bytes(a.dw_dtype), st));
+      PMG_CUDA(
+          cudaMemsetAsync(a.dw, 0, static_cast<size_t>(a.K * a.N) * dtype_bytes(a.dw_dtype), st));
     }
     if (cp.path != BiasPath::kNone) {
       const std::string after = gemm ? " (dweight was updated, dbias was not)" : "";
@@ -693,16 +732,18 @@ std::string wgrad_cuda(const WgradArgs& a, const CudaExec& exec, CudaReport* rep
   return err;
 }
 
-const char* cuda_targets() { return kTargets; }
+const char* cuda_targets() {
+  return kTargets;
+}
 
 std::string cuda_stats() {
   std::lock_guard<std::mutex> lock(g_mu);
-  return "calls=" + std::to_string(g_calls.load()) + " bias_epilogue=" +
-         std::to_string(g_bias_epilogue.load()) + " bias_kernel=" +
-         std::to_string(g_bias_kernel.load()) + " workspace_retries=" +
-         std::to_string(g_ws_retries.load()) + " heuristic_queries=" +
-         std::to_string(g_heuristic_queries.load()) + " algo_cache=" +
-         std::to_string(g_algos.size()) + " last: " + g_last;
+  return "calls=" + std::to_string(g_calls.load()) +
+         " bias_epilogue=" + std::to_string(g_bias_epilogue.load()) +
+         " bias_kernel=" + std::to_string(g_bias_kernel.load()) +
+         " workspace_retries=" + std::to_string(g_ws_retries.load()) +
+         " heuristic_queries=" + std::to_string(g_heuristic_queries.load()) +
+         " algo_cache=" + std::to_string(g_algos.size()) + " last: " + g_last;
 }
 
 }  // namespace pmg

@@ -19,8 +19,8 @@ using WorkspaceAllocFn = void* (*)(size_t bytes, void* user);
 
 // Where and how a call runs.  Nothing is taken from "the current device".
 struct CudaExec {
-  int device = -1;            // CUDA ordinal of every pointer in WgradArgs (required)
-  void* stream = nullptr;     // cudaStream_t on `device` (null: the legacy default stream)
+  int device = -1;         // CUDA ordinal of every pointer in WgradArgs (required)
+  void* stream = nullptr;  // cudaStream_t on `device` (null: the legacy default stream)
   // Scratch, in this order of preference: `workspace` when at least the needed bytes; else
   // `alloc`; else (neither given) stream-ordered cudaMallocAsync/cudaFreeAsync on `stream`,
   // which CUDA-graph capture records as memory nodes.  When the scratch cannot be had (a
@@ -39,15 +39,15 @@ struct CudaExec {
 
 // What a call did (filled as far as it got, also on errors).
 struct CudaReport {
-  int capability = 0;           // the GPU's (or the simulated) major * 10 + minor
+  int capability = 0;  // the GPU's (or the simulated) major * 10 + minor
   BiasPath bias = BiasPath::kNone;
-  std::string bias_why;         // why the kernel ran in auto mode ("" for the epilogue)
-  uint32_t align[4] = {0, 0, 0, 0};  // alignment given to cuBLASLt for A (dy), B (x), C = D (dW)
-  size_t workspace_bytes = 0;   // bytes used (0: none)
+  std::string bias_why;                 // why the kernel ran in auto mode ("" for the epilogue)
+  uint32_t align[4] = {0, 0, 0, 0};     // alignment given to cuBLASLt for A (dy), B (x), C = D (dW)
+  size_t workspace_bytes = 0;           // bytes used (0: none)
   const char* workspace_from = "none";  // "caller", "allocator", "stream-ordered" or "none"
-  bool algo_cached = false;     // the algorithm came from the cache
-  bool workspace_retry = false; // the scratch could not be had: planned again without
-                                // cuBLASLt workspace (memory pressure)
+  bool algo_cached = false;             // the algorithm came from the cache
+  bool workspace_retry = false;         // the scratch could not be had: planned again without
+                                        // cuBLASLt workspace (memory pressure)
   // One line, e.g.
   // "cap=90 bias=epilogue align=256,2,256,256 workspace=1024@caller cached=1 ws_retry=0".
   std::string text() const {

@@ -39,9 +39,9 @@ namespace pmg {
 template <class Gpu>
 std::string cuda_core_flow(Gpu& gpu, const WgradArgs& a, const CudaExec& exec, CudaReport* rep) {
   std::string err;
-#define PMG_FLOW_TRY(expr) \
-  do {                     \
-    err = (expr);          \
+#define PMG_FLOW_TRY(expr)        \
+  do {                            \
+    err = (expr);                 \
     if (!err.empty()) return err; \
   } while (0)
   if (exec.device < 0) return "no CUDA device given (CudaExec.device)";

@@ -44,25 +44,30 @@ void micro_generic(int64_t kc, const double* a, const double* b, double* c, int6
 }
 
 #ifdef PMG_X86
-__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a,
-                                                    const double* b, double* c, int64_t ldc,
-                                                    int mr, int nr) {
+__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const double* a, const double* b,
+                                                    double* c, int64_t ldc, int mr, int nr) {
   __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr) {
     const __m256d b0 = _mm256_load_pd(b), b1 = _mm256_load_pd(b + 4);
     __m256d x = _mm256_broadcast_sd(a + 0);
-    c00 = _mm256_fmadd_pd(x, b0, c00); c01 = _mm256_fmadd_pd(x, b1, c01);
+    c00 = _mm256_fmadd_pd(x, b0, c00);
+    c01 = _mm256_fmadd_pd(x, b1, c01);
     x = _mm256_broadcast_sd(a + 1);
-    c10 = _mm256_fmadd_pd(x, b0, c10); c11 = _mm256_fmadd_pd(x, b1, c11);
+    c10 = _mm256_fmadd_pd(x, b0, c10);
+    c11 = _mm256_fmadd_pd(x, b1, c11);
     x = _mm256_broadcast_sd(a + 2);
-    c20 = _mm256_fmadd_pd(x, b0, c20); c21 = _mm256_fmadd_pd(x, b1, c21);
+    c20 = _mm256_fmadd_pd(x, b0, c20);
+    c21 = _mm256_fmadd_pd(x, b1, c21);
     x = _mm256_broadcast_sd(a + 3);
-    c30 = _mm256_fmadd_pd(x, b0, c30); c31 = _mm256_fmadd_pd(x, b1, c31);
+    c30 = _mm256_fmadd_pd(x, b0, c30);
+    c31 = _mm256_fmadd_pd(x, b1, c31);
     x = _mm256_broadcast_sd(a + 4);
-    c40 = _mm256_fmadd_pd(x, b0, c40); c41 = _mm256_fmadd_pd(x, b1, c41);
+    c40 = _mm256_fmadd_pd(x, b0, c40);
+    c41 = _mm256_fmadd_pd(x, b1, c41);
     x = _mm256_broadcast_sd(a + 5);
-    c50 = _mm256_fmadd_pd(x, b0, c50); c51 = _mm256_fmadd_pd(x, b1, c51);
+    c50 = _mm256_fmadd_pd(x, b0, c50);
+    c51 = _mm256_fmadd_pd(x, b1, c51);
   }
   if (mr == kMr && nr == kNr) {
     const __m256d rows[kMr][2] = {{c00, c01}, {c10, c11}, {c20, c21},
@@ -137,8 +142,8 @@ void pack_at_block(const double* A, int64_t K, int64_t m0, int64_t kc, int64_t k
 
 }  // namespace
 
-std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K,
-                     int64_t N, float beta) {
+std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K, int64_t N,
+                     float beta) {
   MicroKernel micro = nullptr;
   std::string err = pick_dgemm_kernel(&micro);
   if (!err.empty()) return err;

@@ -11,8 +11,8 @@ namespace cpu {
 
 // C[K, N] = beta * C + A[M, K]^T . B[M, N] (row-major, beta 0 or 1); requires M, K, N > 0.
 // Returns "" or a message naming what failed (a bad knob, out of memory).
-std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K,
-                     int64_t N, float beta);
+std::string dgemm_tn(const double* A, const double* B, double* C, int64_t M, int64_t K, int64_t N,
+                     float beta);
 
 }  // namespace cpu
 }  // namespace pmg

@@ -34,7 +34,8 @@ std::string check_element_alignment(const WgradArgs& a) {
     if (!it.used || it.p == nullptr) continue;
     const size_t es = dtype_bytes(it.t);
     if (reinterpret_cast<uintptr_t>(it.p) % es != 0)
-      return std::string(it.name) + " pointer " + std::to_string(reinterpret_cast<uintptr_t>(it.p)) +
+      return std::string(it.name) + " pointer " +
+             std::to_string(reinterpret_cast<uintptr_t>(it.p)) +
              " is not aligned to its element size (" + std::to_string(es) + " bytes for " +
              dtype_name(it.t) + ")";
   }
@@ -109,7 +110,9 @@ BiasChoice choose_bias(const WgradArgs& a, BiasMode mode) {
   return c;
 }
 
-std::string capability_name(int cap) { return "sm_" + std::to_string(cap); }
+std::string capability_name(int cap) {
+  return "sm_" + std::to_string(cap);
+}
 
 std::string check_library_support(int cap, int cuda_major, bool simulated) {
   if (cuda_major < 13 || cap >= 75) return "";
@@ -147,11 +150,13 @@ bool targets_cover(const std::string& targets, int cap) {
 }
 
 namespace {
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 }  // namespace
 
-EpilogueDecision decide_epilogue(BiasMode mode, const GemmCandidate& epi, const std::string& epi_why,
-                                 const GemmCandidate& plain) {
+EpilogueDecision decide_epilogue(BiasMode mode, const GemmCandidate& epi,
+                                 const std::string& epi_why, const GemmCandidate& plain) {
   EpilogueDecision d;
   if (!epi.found) {
     if (mode == BiasMode::kEpilogue) {
@@ -232,7 +237,8 @@ void reference(const void* dy, DType in, int64_t M, int64_t N, const BiasKernelP
       }
       for (int stride = p.threads_y / 2; stride > 0; stride /= 2)
         for (int t = 0; t < stride; ++t)
-          lanes[static_cast<size_t>(t)] = lanes[static_cast<size_t>(t)] + lanes[static_cast<size_t>(t + stride)];
+          lanes[static_cast<size_t>(t)] =
+              lanes[static_cast<size_t>(t)] + lanes[static_cast<size_t>(t + stride)];
       partial[static_cast<size_t>(s * N + n)] = lanes[0];
     }
   }
@@ -278,8 +284,8 @@ std::string check_pointer_places(const PointerPlace* p, int n, int device, int s
 
 std::string pending_error_message(const std::string& error_name, const std::string& error_text) {
   return "a CUDA error was already pending before paddle_mgrad's call (from earlier work on "
-         "this thread, not from this op): " + error_name + ": " + error_text +
-         "; dweight and dbias were not touched";
+         "this thread, not from this op): " +
+         error_name + ": " + error_text + "; dweight and dbias were not touched";
 }
 
 int64_t heuristic_rows(int64_t M) {
@@ -291,7 +297,9 @@ int64_t heuristic_rows(int64_t M) {
 }
 
 namespace {
-size_t up256(size_t v) { return (v + 255) & ~static_cast<size_t>(255); }
+size_t up256(size_t v) {
+  return (v + 255) & ~static_cast<size_t>(255);
+}
 }  // namespace
 
 WorkspacePlan plan_workspace(const WgradArgs& a, BiasPath path, size_t gemm_workspace, int sms) {
@@ -303,7 +311,8 @@ WorkspacePlan plan_workspace(const WgradArgs& a, BiasPath path, size_t gemm_work
     w.bias_tmp_bytes = static_cast<size_t>(a.N) * 4;
     off = up256(off + w.bias_tmp_bytes);
   } else if (path == BiasPath::kKernel) {
-    w.splits = plan_bias_kernel(a.M, a.N, a.in_dtype, reinterpret_cast<uintptr_t>(a.dy), sms).splits;
+    w.splits =
+        plan_bias_kernel(a.M, a.N, a.in_dtype, reinterpret_cast<uintptr_t>(a.dy), sms).splits;
     const size_t acc = a.in_dtype == DType::kF64 ? 8 : 4;
     w.partial_offset = off;
     w.partial_bytes = static_cast<size_t>(w.splits) * static_cast<size_t>(a.N) * acc;

@@ -92,8 +92,8 @@ struct EpilogueDecision {
   std::string why;    // why the kernel runs instead (auto)
   std::string error;  // forced epilogue impossible
 };
-EpilogueDecision decide_epilogue(BiasMode mode, const GemmCandidate& epi, const std::string& epi_why,
-                                 const GemmCandidate& plain);
+EpilogueDecision decide_epilogue(BiasMode mode, const GemmCandidate& epi,
+                                 const std::string& epi_why, const GemmCandidate& plain);
 
 // ---- the bias kernel
 //
@@ -109,8 +109,8 @@ EpilogueDecision decide_epilogue(BiasMode mode, const GemmCandidate& epi, const 
 // Slices: enough blocks to fill the SMs ~4x, each slice at least kBiasMinSliceRows rows (the
 // partial sums' traffic stays small against dY's) and each row lane at least kBiasMinLaneRows,
 // no slice longer than kBiasMaxRowsPerSlice unless the partial sums would pass
-// kBiasMaxPartialBytes (a huge N: longer slices instead of more scratch).  The order depends on (M, N, vec, sms) only, never on
-// scheduling: bias_reduce_reference (CPU) follows it to the bit.
+// kBiasMaxPartialBytes (a huge N: longer slices instead of more scratch).  The order depends on (M,
+// N, vec, sms) only, never on scheduling: bias_reduce_reference (CPU) follows it to the bit.
 constexpr int kBiasThreads = 256;
 constexpr int64_t kBiasMinLaneRows = 4;
 constexpr int64_t kBiasMinSliceRows = 64;
@@ -158,7 +158,7 @@ struct WorkspacePlan {
   size_t bias_tmp_offset = 0, bias_tmp_bytes = 0;
   size_t partial_offset = 0, partial_bytes = 0;
   int64_t splits = 0;
-  size_t total = 0;  // bytes from a 256-byte aligned base
+  size_t total = 0;    // bytes from a 256-byte aligned base
   size_t request = 0;  // bytes to ask for when the base may be unaligned (total + 255), 0 if none
 };
 WorkspacePlan plan_workspace(const WgradArgs& a, BiasPath path, size_t gemm_workspace, int sms);
@@ -179,7 +179,8 @@ struct CallPlan {
 // once more; `*retried` says so.  Nothing is written in here: an error leaves dW and db as they
 // were.
 template <class Plan, class Alloc>
-std::string plan_and_allocate(Plan&& plan, Alloc&& alloc, CallPlan* out, char** base, bool* retried) {
+std::string plan_and_allocate(Plan&& plan, Alloc&& alloc, CallPlan* out, char** base,
+                              bool* retried) {
   *retried = false;
   *base = nullptr;
   std::string err = plan(kMaxGemmWorkspace, out);
@@ -200,9 +201,8 @@ std::string plan_and_allocate(Plan&& plan, Alloc&& alloc, CallPlan* out, char** 
   std::string why2;
   *base = static_cast<char*>(alloc(out->ws.request, &why2));
   if (*base != nullptr) return "";
-  return "could not allocate " + std::to_string(first) + " bytes of scratch (" + why +
-         "), nor " + std::to_string(out->ws.request) + " without cuBLASLt workspace (" + why2 + ")" +
-         tail;
+  return "could not allocate " + std::to_string(first) + " bytes of scratch (" + why + "), nor " +
+         std::to_string(out->ws.request) + " without cuBLASLt workspace (" + why2 + ")" + tail;
 }
 
 // ---- the C ABI's extra checks

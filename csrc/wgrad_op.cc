@@ -225,8 +225,8 @@ struct PaddleGpuHost {
   static void* allocate_workspace(size_t bytes, void* self) {
     auto* h = static_cast<PaddleGpuHost*>(self);
     try {
-      h->scratch.push_back(paddle::empty({static_cast<int64_t>(bytes)}, paddle::DataType::UINT8,
-                                         h->x.place()));
+      h->scratch.push_back(
+          paddle::empty({static_cast<int64_t>(bytes)}, paddle::DataType::UINT8, h->x.place()));
       return h->scratch.back().data();
     } catch (const std::exception& e) {
       h->alloc_error = e.what();
@@ -337,10 +337,9 @@ std::vector<paddle::Tensor> FusedLinearBwd(const paddle::Tensor& x, const paddle
                dout.dtype() == x.dtype() && weight.dtype() == x.dtype(),
            "linear_bwd: x, dout and weight must be float32 (or all float64)");
   const auto xs = x.shape(), ys = dout.shape(), ws = weight.shape();
-  PD_CHECK(!xs.empty() && !ys.empty() && ws.size() == 2 && ws[0] == xs.back() &&
-               ws[1] == ys.back(),
-           "linear_bwd: weight ", shape_str(ws), " must be [K, N] for x ",
-           shape_str(xs), " and dout ", shape_str(ys));
+  PD_CHECK(!xs.empty() && !ys.empty() && ws.size() == 2 && ws[0] == xs.back() && ws[1] == ys.back(),
+           "linear_bwd: weight ", shape_str(ws), " must be [K, N] for x ", shape_str(xs),
+           " and dout ", shape_str(ys));
   // A zero-size product (M, K or N = 0) is the checked path's (it handles every case of it):
   // refused here, before writing.
   PD_CHECK(leading(xs) > 0 && ws[0] > 0 && ws[1] > 0, "linear_bwd: x ", shape_str(xs),
@@ -366,8 +365,7 @@ std::vector<std::vector<int64_t>> FusedWgradInferShape(
 std::vector<paddle::DataType> FusedWgradInferDtype(
     const paddle::DataType& x_dtype, const paddle::DataType& dout_dtype,
     const paddle::optional<paddle::DataType>& dweight_dtype,
-    const paddle::optional<paddle::DataType>& dbias_dtype, bool multi_precision,
-    bool has_bias) {
+    const paddle::optional<paddle::DataType>& dbias_dtype, bool multi_precision, bool has_bias) {
   const auto acc = acc_dtype(x_dtype, multi_precision);
   return {dweight_dtype ? *dweight_dtype : acc, dbias_dtype ? *dbias_dtype : acc};
 }

@@ -10,8 +10,8 @@
 //     pmg_fast_module).  "where" is "cpu" or "gpu" for the common case of the fast backward
 //     (CPU or CUDA tensors, K, N > 0), else None.  Anything unexpected (a C++ exception reading
 //     a meta, say of an uninitialized tensor) returns NotImplemented: the caller asks Python's
-//     _route, which behaves as it always did.  stop_gradient and grad mode stay with the Python caller
-//     (attribute reads; the autograd meta's layout is not in Paddle's published headers).
+//     _route, which behaves as it always did.  stop_gradient and grad mode stay with the Python
+//     caller (attribute reads; the autograd meta's layout is not in Paddle's published headers).
 //
 //   linear_bwd(x, dout, weight, dweight, dbias, has_bias) -> (dx, dweight_out, dbias_out) | None
 //     pmg_bind::FusedLinearBwd (wgrad_op.cc) called directly: dx = dout . W^T by Paddle's
@@ -244,9 +244,8 @@ PyObject* wgrad_add(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef g_methods[] = {
     {"route", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(route)), METH_FASTCALL,
      "routing.route's answer from the tensors' meta in one call (wgrad_pyentry.cc)."},
-    {"linear_bwd",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(linear_bwd)), METH_FASTCALL,
-     "A float32/float64 CPU linear's backward in one call (wgrad_pyentry.cc)."},
+    {"linear_bwd", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(linear_bwd)),
+     METH_FASTCALL, "A float32/float64 CPU linear's backward in one call (wgrad_pyentry.cc)."},
     {"wgrad_add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wgrad_add)),
      METH_FASTCALL,
      "pmg_fused_wgrad_add's kernel without the custom-op dispatch (wgrad_pyentry.cc)."},

@@ -6,6 +6,7 @@ table of every ``PADDLE_MGRAD*`` variable).
 
 tests/test_docs_links.py runs the check.
 """
+
 import os
 import sys
 

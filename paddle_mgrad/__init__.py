@@ -8,6 +8,7 @@ Quick start::
 
 ``python -m paddle_mgrad doctor`` says what runs where and whether it works.
 """
+
 from ._cli import command_line_process as _command_line_process
 
 # `python -m paddle_mgrad doctor` (or the paddle-mgrad script): import nothing of Paddle, check
@@ -63,6 +64,16 @@ if not _AS_COMMAND_LINE:
     _activate_if_pending()
 
 __all__ = [
-    "__version__", "enable", "disable", "enabled", "recompute", "RecomputeError",
-    "FusedLinearError", "FlagError", "EnvError", "fused_linear", "FusedLinearWithGradAdd", "stats",
+    "__version__",
+    "enable",
+    "disable",
+    "enabled",
+    "recompute",
+    "RecomputeError",
+    "FusedLinearError",
+    "FlagError",
+    "EnvError",
+    "fused_linear",
+    "FusedLinearWithGradAdd",
+    "stats",
 ]

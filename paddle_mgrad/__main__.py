@@ -3,6 +3,7 @@
 Commands: ``doctor`` (:mod:`paddle_mgrad.diagnostics.doctor`: what runs where, why, whether it works).
 The package's ``__init__`` imports nothing of Paddle for this process (:mod:`paddle_mgrad._cli`).
 """
+
 import sys
 
 USAGE = """usage: python -m paddle_mgrad doctor [--json] [--timeout SECONDS]

@@ -9,6 +9,7 @@ load the corrupt library into it).  It probes all of that in subprocesses instea
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import os

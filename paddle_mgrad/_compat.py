@@ -8,6 +8,7 @@ Paddle 2.6's ``libpaddle`` exports zlib's ``deflate*`` symbols; if ``zlib`` is
 imported *after* paddle the interpreter can segfault (also when ``setup.py``
 zips an egg).  Importing ``zlib`` first is harmless on 3.x, so we always do it.
 """
+
 from __future__ import annotations
 
 import types
@@ -47,8 +48,9 @@ LINEAR_IS_C_OP = IS_PADDLE_2 or not paddle.is_compiled_with_cuda()
 
 #: ``main_grad`` is a plain instance attribute (``MixPrecisionLayer`` and PaddleNLP set it): read
 #: from ``__dict__``, unless a Paddle ever defines it on the tensor classes
-MAIN_GRAD_IN_DICT = not (hasattr(paddle.Tensor, "main_grad")
-                         or hasattr(EagerParamBase, "main_grad"))
+MAIN_GRAD_IN_DICT = not (
+    hasattr(paddle.Tensor, "main_grad") or hasattr(EagerParamBase, "main_grad")
+)
 
 #: what ``getattr(t, "__dict__", NO_ATTRS)`` reads for a tensor without Python attributes: Paddle
 #: 2.6's plain (non-parameter) tensors have no ``__dict__`` at all (so no ``main_grad`` either)

@@ -25,6 +25,7 @@ per process (``paddle_mgrad_report.<rank>.<pid>.json``) with what was on and
 :mod:`paddle_mgrad.stats`: evidence that a script you did not edit ran through
 paddle_mgrad.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -101,26 +102,40 @@ def _write_report(directory, value):
     tmp = None
     try:
         snap = stats.snapshot()
-        report = {"pid": os.getpid(), "rank": _rank(), "argv": sys.argv, ENV: value,
-                  "active": _state["active"], "enabled_at_exit": enabled(),
-                  "recompute": snap["recompute"], "linear": snap["linear"],
-                  "paddle_c_ops": snap["paddle_c_ops"],
-                  "fused_params": sorted(snap["fused_params"])}
+        report = {
+            "pid": os.getpid(),
+            "rank": _rank(),
+            "argv": sys.argv,
+            ENV: value,
+            "active": _state["active"],
+            "enabled_at_exit": enabled(),
+            "recompute": snap["recompute"],
+            "linear": snap["linear"],
+            "paddle_c_ops": snap["paddle_c_ops"],
+            "fused_params": sorted(snap["fused_params"]),
+        }
         if os.path.lexists(directory) and not os.path.isdir(directory):
             raise NotADirectoryError(f"{directory} exists and is not a directory")
         if not os.path.isdir(directory):
             os.makedirs(directory, mode=0o700, exist_ok=True)  # ranks race here
         tmp = os.path.join(directory, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+            0o644,
+        )
         with os.fdopen(fd, "w") as f:
             json.dump(report, f, indent=1)
         os.replace(tmp, os.path.join(directory, name))  # replaces a link, never follows it
         tmp = None
     except Exception as e:  # at exit: one line, never a traceback
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        print(f"paddle_mgrad: warning: {REPORT_ENV}={directory}: no report written ({reason}); "
-              "point it at a directory you can write", file=sys.stderr, flush=True)
+        print(
+            f"paddle_mgrad: warning: {REPORT_ENV}={directory}: no report written ({reason}); "
+            "point it at a directory you can write",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         if tmp is not None:
             try:

@@ -16,6 +16,7 @@ a crash.
 
 This module imports nothing but the standard library and :mod:`.errors`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -49,6 +50,7 @@ def _choice(*values: str) -> Callable[[str], str]:
         if t not in values:
             raise ValueError
         return t
+
     return parse
 
 
@@ -98,7 +100,8 @@ def parse_activation(value) -> dict:
         else:
             raise FlagError(
                 f"PADDLE_MGRAD={value!r}: unknown value {item!r}; allowed: recompute, fused_linear "
-                "(comma-separated), all, or 0/empty for off")
+                "(comma-separated), all, or 0/empty for off"
+            )
     return out
 
 
@@ -120,21 +123,27 @@ def parse_recompute_policy(text: str, what: str = "the policy") -> str:
         except ValueError:
             fraction = -1.0
         if not 0.0 <= fraction <= 1.0:  # (nan fails too)
-            raise ValueError(f"{what}: budget: takes a fraction from 0 to 1 of the bytes a "
-                             "block's activations take without recompute (budget:0.5)")
+            raise ValueError(
+                f"{what}: budget: takes a fraction from 0 to 1 of the bytes a "
+                "block's activations take without recompute (budget:0.5)"
+            )
         return f"budget:{fraction:g}"
     if text[:5].lower() == "save:":
         patterns = [p.strip() for p in text[5:].split(",")]
         if not all(patterns):
-            raise ValueError(f"{what}: save: takes one or more comma-separated patterns "
-                             "(globs of sublayer class names or attribute paths: "
-                             "save:*MLP, save:self_attn,mlp)")
+            raise ValueError(
+                f"{what}: save: takes one or more comma-separated patterns "
+                "(globs of sublayer class names or attribute paths: "
+                "save:*MLP, save:self_attn,mlp)"
+            )
         return "save:" + ",".join(patterns)
     name = text.lower() or "full"
     if name not in RECOMPUTE_POLICIES:
-        raise ValueError(f"{what}: unknown recompute policy; accepted: "
-                         f"{', '.join(RECOMPUTE_POLICIES)}, save:<pattern>[,<pattern>...], "
-                         "budget:<fraction>")
+        raise ValueError(
+            f"{what}: unknown recompute policy; accepted: "
+            f"{', '.join(RECOMPUTE_POLICIES)}, save:<pattern>[,<pattern>...], "
+            "budget:<fraction>"
+        )
     return name
 
 
@@ -158,49 +167,118 @@ class Knob:
 
 
 KNOBS: Tuple[Knob, ...] = (
-    Knob("PADDLE_MGRAD", "recompute, fused_linear (comma-separated), all, or 0/empty for off",
-         parse_activation, None,
-         "switch paddle_mgrad on in every process of this environment (the .pth hook)"),
-    Knob("PADDLE_MGRAD_OPS", "auto (default) or python", _choice("auto", "python"), "auto",
-         "python: force the pure-Paddle fallback of the fused weight-gradient op"),
-    Knob("PADDLE_MGRAD_NO_CUDA", "0/1 (or true/false, yes/no, on/off)", _boolean, False,
-         "1: build the op without its CUDA part on a CUDA Paddle"),
-    Knob("PADDLE_MGRAD_NO_ONEDNN", "0/1 (or true/false, yes/no, on/off)", _boolean, False,
-         "1: build the CPU op with its portable OpenMP GEMM instead of Paddle's oneDNN"),
-    Knob("PADDLE_MGRAD_BUILD_OPS", "0/1 (or true/false, yes/no, on/off)", _boolean, False,
-         "1 at pip install time: compile the op ahead of time into the wheel"),
-    Knob("PADDLE_MGRAD_CACHE", "a directory path", _path, None,
-         "where JIT builds of the op are cached (default ~/.cache/paddle_mgrad)"),
-    Knob("PADDLE_MGRAD_TRUST_SHARED_CACHE", "0/1 (or true/false, yes/no, on/off)", _boolean, False,
-         "1: load op builds from a cache other users can write (warns; see the Security docs)"),
-    Knob("PADDLE_MGRAD_CPU_BF16", "auto (default), native or widen",
-         _choice("auto", "native", "widen"), "auto",
-         "how bf16 inputs run on the CPU: oneDNN's bf16 GEMM or widen to fp32 + fp32 GEMM"),
-    Knob("PADDLE_MGRAD_CPU_CHUNK_ROWS", f"an integer from 1 to {MAX_CHUNK_ROWS}", _chunk_rows,
-         None, "rows per chunk when the CPU op widens bf16/fp16 to fp32 (default: by budget)"),
-    Knob("PADDLE_MGRAD_CPU_FP64_KERNEL", "auto (default) or generic", _choice("auto", "generic"),
-         "auto", "generic: force the portable fp64 micro-kernel of the CPU op"),
-    Knob("PADDLE_MGRAD_CUDA_BIAS", "auto (default), epilogue or kernel",
-         _choice("auto", "epilogue", "kernel"), "auto",
-         "how the CUDA op computes the bias gradient: cuBLASLt's epilogue fused into the GEMM "
-         "where it applies and costs the GEMM nothing, else the deterministic kernel (auto), only "
-         "the epilogue (epilogue), or only the kernel (kernel)"),
-    Knob("PADDLE_MGRAD_DETERMINISM_CHECK", "shapes (default), values or none",
-         _choice("shapes", "values", "none"), "shapes",
-         "how recomputation is checked against the forward pass"),
-    Knob(RECOMPUTE_POLICY, "full (default), gemm, save:<pattern>[,<pattern>...] or "
-         "budget:<fraction>",
-         parse_recompute_policy,
-         "full", "what recompute keeps from the forward instead of recomputing, for every "
-         "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
-         "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
-         "whose class name or attribute path matches (a glob: save:*MLP), budget:<fraction> "
-         "chooses them by replay time per byte measured in the first calls, within that "
-         "fraction of the bytes of the block's activations"),
-    Knob("PADDLE_MGRAD_REPORT", "a directory path", _path, None,
-         "write one JSON report per process at exit (what was on, the counters)"),
-    Knob("PADDLE_MGRAD_NOX_FREE_VENVS", "0/1", _boolean, False,
-         "noxfile only: delete each session's virtualenv once it passes (CI disk)"),
+    Knob(
+        "PADDLE_MGRAD",
+        "recompute, fused_linear (comma-separated), all, or 0/empty for off",
+        parse_activation,
+        None,
+        "switch paddle_mgrad on in every process of this environment (the .pth hook)",
+    ),
+    Knob(
+        "PADDLE_MGRAD_OPS",
+        "auto (default) or python",
+        _choice("auto", "python"),
+        "auto",
+        "python: force the pure-Paddle fallback of the fused weight-gradient op",
+    ),
+    Knob(
+        "PADDLE_MGRAD_NO_CUDA",
+        "0/1 (or true/false, yes/no, on/off)",
+        _boolean,
+        False,
+        "1: build the op without its CUDA part on a CUDA Paddle",
+    ),
+    Knob(
+        "PADDLE_MGRAD_NO_ONEDNN",
+        "0/1 (or true/false, yes/no, on/off)",
+        _boolean,
+        False,
+        "1: build the CPU op with its portable OpenMP GEMM instead of Paddle's oneDNN",
+    ),
+    Knob(
+        "PADDLE_MGRAD_BUILD_OPS",
+        "0/1 (or true/false, yes/no, on/off)",
+        _boolean,
+        False,
+        "1 at pip install time: compile the op ahead of time into the wheel",
+    ),
+    Knob(
+        "PADDLE_MGRAD_CACHE",
+        "a directory path",
+        _path,
+        None,
+        "where JIT builds of the op are cached (default ~/.cache/paddle_mgrad)",
+    ),
+    Knob(
+        "PADDLE_MGRAD_TRUST_SHARED_CACHE",
+        "0/1 (or true/false, yes/no, on/off)",
+        _boolean,
+        False,
+        "1: load op builds from a cache other users can write (warns; see the Security docs)",
+    ),
+    Knob(
+        "PADDLE_MGRAD_CPU_BF16",
+        "auto (default), native or widen",
+        _choice("auto", "native", "widen"),
+        "auto",
+        "how bf16 inputs run on the CPU: oneDNN's bf16 GEMM or widen to fp32 + fp32 GEMM",
+    ),
+    Knob(
+        "PADDLE_MGRAD_CPU_CHUNK_ROWS",
+        f"an integer from 1 to {MAX_CHUNK_ROWS}",
+        _chunk_rows,
+        None,
+        "rows per chunk when the CPU op widens bf16/fp16 to fp32 (default: by budget)",
+    ),
+    Knob(
+        "PADDLE_MGRAD_CPU_FP64_KERNEL",
+        "auto (default) or generic",
+        _choice("auto", "generic"),
+        "auto",
+        "generic: force the portable fp64 micro-kernel of the CPU op",
+    ),
+    Knob(
+        "PADDLE_MGRAD_CUDA_BIAS",
+        "auto (default), epilogue or kernel",
+        _choice("auto", "epilogue", "kernel"),
+        "auto",
+        "how the CUDA op computes the bias gradient: cuBLASLt's epilogue fused into the GEMM "
+        "where it applies and costs the GEMM nothing, else the deterministic kernel (auto), only "
+        "the epilogue (epilogue), or only the kernel (kernel)",
+    ),
+    Knob(
+        "PADDLE_MGRAD_DETERMINISM_CHECK",
+        "shapes (default), values or none",
+        _choice("shapes", "values", "none"),
+        "shapes",
+        "how recomputation is checked against the forward pass",
+    ),
+    Knob(
+        RECOMPUTE_POLICY,
+        "full (default), gemm, save:<pattern>[,<pattern>...] or budget:<fraction>",
+        parse_recompute_policy,
+        "full",
+        "what recompute keeps from the forward instead of recomputing, for every "
+        "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
+        "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
+        "whose class name or attribute path matches (a glob: save:*MLP), budget:<fraction> "
+        "chooses them by replay time per byte measured in the first calls, within that "
+        "fraction of the bytes of the block's activations",
+    ),
+    Knob(
+        "PADDLE_MGRAD_REPORT",
+        "a directory path",
+        _path,
+        None,
+        "write one JSON report per process at exit (what was on, the counters)",
+    ),
+    Knob(
+        "PADDLE_MGRAD_NOX_FREE_VENVS",
+        "0/1",
+        _boolean,
+        False,
+        "noxfile only: delete each session's virtualenv once it passes (CI disk)",
+    ),
 )
 _BY_NAME: Dict[str, Knob] = {k.name: k for k in KNOBS}
 

@@ -36,6 +36,7 @@ by these names.  They are internal to paddle_mgrad -- not in ``__all__``, not re
 package, free to change with it -- but named without an underscore because another module
 calls them; everything with an underscore is this module's own.
 """
+
 from __future__ import annotations
 
 from paddle import _C_ops
@@ -56,13 +57,13 @@ __all__ = ["FusedLinearWithGradAdd", "fused_linear"]
 
 # Internal to paddle_mgrad (module docstring): what other modules of the package call.
 INTERNAL = (
-    "check_main_grad",        # main_grad of the parameter's master-gradient dtype, or None
-    "check_main_grads",       # ... for weight and bias, when they need a gradient
-    "stash_for_backward",     # forward-time ctx setup of our linear PyLayers
+    "check_main_grad",  # main_grad of the parameter's master-gradient dtype, or None
+    "check_main_grads",  # ... for weight and bias, when they need a gradient
+    "stash_for_backward",  # forward-time ctx setup of our linear PyLayers
     "weight_and_bias_grads",  # the fused op into main_grad/.grad (ordinary backward)
-    "plain_param_grads",      # plain weight/bias gradients (a paddle.grad pass)
-    "functional_grads",       # a whole paddle.grad-pass backward, dx supplied by the caller
-    "input_grad",             # dx = dy · Wᵀ in dy's dtype, optionally cast back to x's
+    "plain_param_grads",  # plain weight/bias gradients (a paddle.grad pass)
+    "functional_grads",  # a whole paddle.grad-pass backward, dx supplied by the caller
+    "input_grad",  # dx = dy · Wᵀ in dy's dtype, optionally cast back to x's
 )
 
 # Set on the copies Paddle's reentrant recompute makes of parameter arguments:
@@ -108,8 +109,6 @@ def _written(p):
 _dtname = ops._dtype_name
 
 
-
-
 def check_main_grad(p, p_name=None):
     """``p.main_grad`` must be None (allocated by the first backward) or of the parameter's
     master-gradient dtype, ``ops.mp_dtype(p.dtype)`` -- float32, float64 for a float64
@@ -127,7 +126,8 @@ def _check_main_grad_dtype(p, p_name, mg_name, mg):
     if mg_name != want:
         raise FusedLinearError(
             f"{p.name}.main_grad is {mg.dtype} {list(mg.shape)}, expected {want} "
-            f"(the master gradient of a {p_name} parameter)")
+            f"(the master gradient of a {p_name} parameter)"
+        )
 
 
 def check_main_grads(weight, bias, p_name=None):
@@ -205,8 +205,11 @@ def input_grad(dy, weight, transpose_weight=False, x_dtype=None, names=None):
     ``dx`` in that dtype, as fleet's own.  Differentiable (create_graph).  ``names``: the dtype
     names of (x, dy, weight) when the caller has them."""
     if names is None:
-        names = (None if x_dtype is None else _dtname(x_dtype), _dtname(dy.dtype),
-                 _dtname(weight.dtype))
+        names = (
+            None if x_dtype is None else _dtname(x_dtype),
+            _dtname(dy.dtype),
+            _dtname(weight.dtype),
+        )
     x_name, dy_name, w_name = names
     w = weight if w_name == dy_name else weight.astype(dy.dtype)
     # paddle.matmul in dynamic mode (a backward always is), without its Python frame
@@ -276,8 +279,11 @@ def _backward_fast(ctx, x, dy, weight, bias):
     w_acc = wd["main_grad"]
     if bias is not None:
         bd = getattr(bias, "__dict__", NO_ATTRS)
-        if (bias.stop_gradient or "main_grad" not in bd
-                or (hooked and param_hooks.has_user_hooks(bias))):
+        if (
+            bias.stop_gradient
+            or "main_grad" not in bd
+            or (hooked and param_hooks.has_user_hooks(bias))
+        ):
             return None
         b_acc = bd["main_grad"]
     else:
@@ -356,8 +362,14 @@ def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
             # multi-precision type (main_grad or fresh) and the weight's is that type too.
             fuse_bias = want_b and b_kind != "grad" and w_acc_name in (None, mp_name)
             dw, db = ops.accumulate_checked(
-                x, dy, w_acc, b_acc if fuse_bias else None, True if fuse_bias else mp, fuse_bias,
-                x_name)
+                x,
+                dy,
+                w_acc,
+                b_acc if fuse_bias else None,
+                True if fuse_bias else mp,
+                fuse_bias,
+                x_name,
+            )
     if want_b and db is None:
         db = dy.reshape([-1, dy.shape[-1]]).astype(mp_name).sum(axis=0)
         if b_acc is not None:
@@ -394,12 +406,20 @@ def functional_grads(ctx, x, dy, fpass, dx_fn):
     gradients exactly at the slots Paddle wants, ``.grad``/``main_grad`` untouched.
     ``dx_fn()`` computes the input gradient (the overlap linears add their collective)."""
     weight, bias = ctx.weight, ctx.bias  # the forward's tensors: the graph's own edges
-    need = fpass.slots(ctx.guard, 2 if bias is None else 3,
-                       (x, weight) if bias is None else (x, weight, bias))
+    need = fpass.slots(
+        ctx.guard, 2 if bias is None else 3, (x, weight) if bias is None else (x, weight, bias)
+    )
     stats.bump(stats.linear, "functional_backward")
     dx = dx_fn() if need[0] else None
-    dw, db = plain_param_grads(x, dy, weight, bias, getattr(ctx, "transpose_weight", False),
-                               need[1], bias is not None and need[2])
+    dw, db = plain_param_grads(
+        x,
+        dy,
+        weight,
+        bias,
+        getattr(ctx, "transpose_weight", False),
+        need[1],
+        bias is not None and need[2],
+    )
     return (dx, dw) if bias is None else (dx, dw, db)
 
 
@@ -414,8 +434,6 @@ def _paddle_linear(x, weight, bias):
     if LINEAR_IS_C_OP:
         return _C_ops.linear(x, weight, bias)
     return original("linear")(x, weight, bias)
-
-
 
 
 class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
@@ -453,8 +471,8 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         fpass = backward_errors.current_pass()
         if fpass is not None:  # paddle.grad: plain gradients, nothing accumulated
             return functional_grads(
-                ctx, x, dy, fpass,
-                lambda: input_grad(dy, ctx.weight, ctx.transpose_weight, x.dtype))
+                ctx, x, dy, fpass, lambda: input_grad(dy, ctx.weight, ctx.transpose_weight, x.dtype)
+            )
         # Under Paddle's reentrant recompute a parameter *argument* arrives as a copy;
         # enable(fused_linear=True) tags it with the real parameter (ORIGIN).
         weight, bias = ctx.weight, ctx.bias
@@ -597,8 +615,9 @@ def _paddle_linear_trampoline(x, weight, bias=None, name=None):
     return _m.fused_linear(x, weight, bias, name)
 
 
-def _paddle_incubate_fused_linear_trampoline(x, weight, bias=None, transpose_weight=False,
-                                             name=None):
+def _paddle_incubate_fused_linear_trampoline(
+    x, weight, bias=None, transpose_weight=False, name=None
+):
     import paddle_mgrad.linear as _m
 
     return _m._incubate_fused_linear(x, weight, bias, transpose_weight, name)

@@ -24,6 +24,7 @@ Two ways of replacing:
 :func:`original` gives a callable copy of Paddle's own function whether or not
 it is replaced, for our code to call.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,8 +33,17 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
-__all__ = ["Replacement", "REPLACEMENTS", "install", "uninstall", "ensure", "original",
-           "is_installed", "installed_keys", "resolve_target"]
+__all__ = [
+    "Replacement",
+    "REPLACEMENTS",
+    "install",
+    "uninstall",
+    "ensure",
+    "original",
+    "is_installed",
+    "installed_keys",
+    "resolve_target",
+]
 
 FEATURES = ("recompute", "fused_linear")
 
@@ -57,102 +67,173 @@ _ABSENT = object()  # recorded for a created attribute: uninstall deletes it
 
 REPLACEMENTS: Tuple[Replacement, ...] = (
     Replacement(
-        "recompute", "recompute", "paddle.distributed.fleet.recompute.recompute", "recompute",
-        "code", "paddle_mgrad.recomputation.api:_paddle_recompute_trampoline",
+        "recompute",
+        "recompute",
+        "paddle.distributed.fleet.recompute.recompute",
+        "recompute",
+        "code",
+        "paddle_mgrad.recomputation.api:_paddle_recompute_trampoline",
         "Paddle's recompute hands back '<name>cpy' copies of saved parameters (main_grad and "
         "attributes lost), rejects None in save_for_backward on 2.6, cannot preserve CPU RNG on "
-        "2.6, and reentrant mode loses main_grad on parameter arguments (#70508)."),
+        "2.6, and reentrant mode loses main_grad on parameter arguments (#70508).",
+    ),
     Replacement(
-        "recompute_hybrid", "recompute", "paddle.distributed.fleet.recompute.recompute_hybrid",
-        "recompute_hybrid", "code",
+        "recompute_hybrid",
+        "recompute",
+        "paddle.distributed.fleet.recompute.recompute_hybrid",
+        "recompute_hybrid",
+        "code",
         "paddle_mgrad.recomputation.hybrid:_paddle_recompute_hybrid_trampoline",
         "fleet's hybrid-parallel recompute (PipelineLayer with recompute_interval > 0, mp models) "
         "asserts on CPU, rebuilds parameter arguments as copies (main_grad lost) and does not "
-        "check recomputation; ours keeps offload/partition."),
+        "check recomputation; ours keeps offload/partition.",
+    ),
     Replacement(
-        "linear", "fused_linear", "paddle.nn.functional.common", "linear",
-        "code", "paddle_mgrad.linear:_paddle_linear_trampoline",
+        "linear",
+        "fused_linear",
+        "paddle.nn.functional.common",
+        "linear",
+        "code",
+        "paddle_mgrad.linear:_paddle_linear_trampoline",
         "nn.Linear, llama projections and fleet's parallel linears call it: their weight/bias "
-        "gradients accumulate in place into fp32 main_grad through our op."),
+        "gradients accumulate in place into fp32 main_grad through our op.",
+    ),
     Replacement(
-        "incubate_fused_linear", "fused_linear", "paddle.incubate.nn.functional.fused_matmul_bias",
-        "fused_linear", "code", "paddle_mgrad.linear:_paddle_incubate_fused_linear_trampoline",
+        "incubate_fused_linear",
+        "fused_linear",
+        "paddle.incubate.nn.functional.fused_matmul_bias",
+        "fused_linear",
+        "code",
+        "paddle_mgrad.linear:_paddle_incubate_fused_linear_trampoline",
         "PaddleNLP's fused layers call it (GPU-only in Paddle); same gradient path as linear.",
-        optional=True),
+        optional=True,
+    ),
     Replacement(
-        "InnerOverlapLinear", "fused_linear", "paddle.distributed.fleet.layers.mpu.mp_layers",
-        "InnerOverlapLinear", "attr", "paddle_mgrad.fleet.overlap_linear:replace",
+        "InnerOverlapLinear",
+        "fused_linear",
+        "paddle.distributed.fleet.layers.mpu.mp_layers",
+        "InnerOverlapLinear",
+        "attr",
+        "paddle_mgrad.fleet.overlap_linear:replace",
         "ColumnParallelLinear with mp_async_allreduce (and mp_fused_linear_param_grad_add) runs "
         "this PyLayer, which computes dW/db itself (or needs Paddle's GPU-only op); ours "
         "accumulates them in place into fp32 main_grad through our op, dx all-reduce kept async.",
-        optional=True),
+        optional=True,
+    ),
     Replacement(
-        "SPInnerOverlapLinear", "fused_linear",
-        "paddle.distributed.fleet.utils.sequence_parallel_utils", "SPInnerOverlapLinear", "attr",
+        "SPInnerOverlapLinear",
+        "fused_linear",
+        "paddle.distributed.fleet.utils.sequence_parallel_utils",
+        "SPInnerOverlapLinear",
+        "attr",
         "paddle_mgrad.fleet.sp_overlap_linear:replace",
         "ColumnSequenceParallelLinear with sp_async_reduce_scatter (Paddle 3.x) runs this "
         "PyLayer, which saves weight/bias with save_for_backward and computes dW/db itself (or "
         "refuses mp_fused_linear_param_grad_add off CUDA/XPU builds); ours accumulates them in "
         "place into fp32 main_grad through our op, dx reduce-scatter kept async.",
-        optional=True),
+        optional=True,
+    ),
     Replacement(
-        "zero_bubble_grad_weight_fn", "fused_linear",
-        "paddle.distributed.fleet.meta_parallel.zero_bubble_utils", "grad_weight_fn", "code",
+        "zero_bubble_grad_weight_fn",
+        "fused_linear",
+        "paddle.distributed.fleet.meta_parallel.zero_bubble_utils",
+        "grad_weight_fn",
+        "code",
         "paddle_mgrad.fleet.zero_bubble:_paddle_grad_weight_fn_trampoline",
         "Zero-bubble pipelines (Paddle 3.x SplitBWMatmul, DualPipeV) defer the weight gradient "
         "to WeightGradStore.pop(), where Paddle's function matmuls into a temporary and then "
         "adds it to main_grad; ours accumulates it in place into fp32 main_grad through our op, "
-        "still when the store runs it.", optional=True),
+        "still when the store runs it.",
+        optional=True,
+    ),
     Replacement(
-        "varbase_help", "fused_linear", "paddle.distributed.fleet.recompute.recompute",
-        "_varbase_help", "code", "paddle_mgrad.linear:_paddle_varbase_help_trampoline",
+        "varbase_help",
+        "fused_linear",
+        "paddle.distributed.fleet.recompute.recompute",
+        "_varbase_help",
+        "code",
+        "paddle_mgrad.linear:_paddle_varbase_help_trampoline",
         "Paddle 2.6's reentrant recompute re-creates parameter arguments as copies; tag each copy "
         "with the real parameter so the fused linear writes main_grad where it belongs.",
-        optional=True),
+        optional=True,
+    ),
     Replacement(
-        "Tensor.backward", "support", "paddle", "Tensor.backward",
-        "attr", "paddle_mgrad.autograd.backward_errors:wrap",
+        "Tensor.backward",
+        "support",
+        "paddle",
+        "Tensor.backward",
+        "attr",
+        "paddle_mgrad.autograd.backward_errors:wrap",
         "Paddle's backward engine turns a RecomputeError (recomputation) or FusedLinearError "
         "(fused linear backward) into OSError and leaves grad mode off; the wrapper re-raises "
-        "ours and restores grad mode."),
+        "ours and restores grad mode.",
+    ),
     Replacement(
-        "autograd.backward", "support", "paddle.autograd", "backward",
-        "attr", "paddle_mgrad.autograd.backward_errors:wrap",
-        "As Tensor.backward, for paddle.autograd.backward."),
+        "autograd.backward",
+        "support",
+        "paddle.autograd",
+        "backward",
+        "attr",
+        "paddle_mgrad.autograd.backward_errors:wrap",
+        "As Tensor.backward, for paddle.autograd.backward.",
+    ),
     Replacement(
-        "grad", "support", "paddle.base.dygraph.base", "grad.__wrapped__",
-        "code", "paddle_mgrad.autograd.passes:_paddle_grad_trampoline",
+        "grad",
+        "support",
+        "paddle.base.dygraph.base",
+        "grad.__wrapped__",
+        "code",
+        "paddle_mgrad.autograd.passes:_paddle_grad_trampoline",
         "paddle.grad runs a copy of the graph and wants gradients only at the slots that lead "
         "to its inputs, without touching .grad/main_grad (differentiable with create_graph): "
         "the wrapper tells our PyLayers' backward it runs such a functional pass, and refuses "
-        "a graph holding a PyLayer node a backward() already ran (Paddle would segfault)."),
+        "a graph holding a PyLayer node a backward() already ran (Paddle would segfault).",
+    ),
     Replacement(
-        "Tensor.register_hook", "fused_linear", "paddle", "Tensor.register_hook",
-        "attr", "paddle_mgrad.autograd.param_hooks:wrap_register_hook",
+        "Tensor.register_hook",
+        "fused_linear",
+        "paddle",
+        "Tensor.register_hook",
+        "attr",
+        "paddle_mgrad.autograd.param_hooks:wrap_register_hook",
         "The fused linear returns None for a weight/bias gradient it accumulated in place, so "
         "a user hook would see None (3.x) or an uninitialized tensor (2.6: heap corruption); "
-        "the wrapper counts user hooks so that such parameters get the plain gradient."),
+        "the wrapper counts user hooks so that such parameters get the plain gradient.",
+    ),
     Replacement(
-        "_C_ops.fused_linear_param_grad_add", "fused_linear", "paddle._C_ops",
-        "fused_linear_param_grad_add", "attr", "paddle_mgrad.fleet.c_ops:wrap_fused_linear_param_grad_add",
+        "_C_ops.fused_linear_param_grad_add",
+        "fused_linear",
+        "paddle._C_ops",
+        "fused_linear_param_grad_add",
+        "attr",
+        "paddle_mgrad.fleet.c_ops:wrap_fused_linear_param_grad_add",
         "Paddle's op has no CPU kernel ('not registered'), so PaddleNLP's own llm/fused_layers.py "
         "and fleet's mp_fused_linear_param_grad_add fail on CPU; CPU tensors run our op, other "
         "places Paddle's kernel. Added where this Paddle has no such attribute.",
-        create=True),
+        create=True,
+    ),
     Replacement(
-        "PyLayerContext.save_for_backward", "support", "paddle.autograd.py_layer",
-        "PyLayerContext.save_for_backward", "attr",
+        "PyLayerContext.save_for_backward",
+        "support",
+        "paddle.autograd.py_layer",
+        "PyLayerContext.save_for_backward",
+        "attr",
         "paddle_mgrad.recomputation.saved_hooks:wrap_save_for_backward",
         "While saved-tensor hooks are active (non-reentrant recompute) Paddle accepts only "
         "tensors in save_for_backward (ValueError for a bool, an int, a string; for None on "
         "2.6; a list crashes); the shim saves the tensors and keeps every other object on the "
         "context. Installed by enable() and the first non-reentrant recompute; it also tells "
-        "the pack hook that the save comes from a PyLayer."),
+        "the pack hook that the save comes from a PyLayer.",
+    ),
     Replacement(
-        "PyLayerContext.saved_tensor", "support", "paddle.autograd.py_layer",
-        "PyLayerContext.saved_tensor", "attr",
+        "PyLayerContext.saved_tensor",
+        "support",
+        "paddle.autograd.py_layer",
+        "PyLayerContext.saved_tensor",
+        "attr",
         "paddle_mgrad.recomputation.saved_hooks:wrap_saved_tensor",
-        "Puts the non-tensor objects kept out by the save_for_backward shim back in place."),
+        "Puts the non-tensor objects kept out by the save_for_backward shim back in place.",
+    ),
 )
 
 _BY_KEY = {r.key: r for r in REPLACEMENTS}
@@ -195,8 +276,9 @@ def _applies(rep: Replacement) -> bool:
 
 
 def _function_copy(fn):
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     return copy
@@ -240,8 +322,12 @@ def _install_one(rep: Replacement) -> bool:
         original(rep.key)  # snapshot before swapping
         if current.__closure__:
             raise RuntimeError(f"cannot replace {current.__qualname__}: it is a closure")
-        _installed[rep.key] = (current, current.__code__, current.__defaults__,
-                               current.__kwdefaults__)
+        _installed[rep.key] = (
+            current,
+            current.__code__,
+            current.__defaults__,
+            current.__kwdefaults__,
+        )
         current.__code__ = new.__code__
         current.__defaults__ = new.__defaults__
         current.__kwdefaults__ = new.__kwdefaults__

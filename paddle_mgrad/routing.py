@@ -7,6 +7,7 @@ call (``csrc/wgrad_pyentry.cc``: the same checks in the same order); before, and
 leaves the answer to Python, :func:`_route_meta` asks Paddle question by question.
 ``tests/ops/test_fast_entry.py`` checks that both give the same answer or the same error.
 """
+
 from __future__ import annotations
 
 from . import _compat, ops
@@ -78,8 +79,12 @@ def _route_meta(x, weight, bias, transpose_weight):
     """:func:`route` after grad mode, asking Paddle question by question (before the op
     library is loaded, and where its fast entry leaves the answer to Python)."""
     # cheapest first; each dtype, shape and place is asked once
-    if not (isinstance(x, _Tensor) and isinstance(weight, _Tensor) and x.is_dense()
-            and weight.is_dense()):
+    if not (
+        isinstance(x, _Tensor)
+        and isinstance(weight, _Tensor)
+        and x.is_dense()
+        and weight.is_dense()
+    ):
         return None
     if bias is not None and not (isinstance(bias, _Tensor) and bias.is_dense()):
         return None
@@ -101,7 +106,8 @@ def _route_meta(x, weight, bias, transpose_weight):
     if x_shape[-1] != k:
         error = FusedLinearError(
             f"fused_linear: x {list(x_shape)} does not match weight {list(w_shape)} "
-            f"(x's last dim must be {k})")
+            f"(x's last dim must be {k})"
+        )
         backward_errors.record(error)  # (in a recomputation: see stash_for_backward)
         raise error
     if k <= 0 or n <= 0:

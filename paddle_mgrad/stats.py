@@ -5,6 +5,7 @@ silently bypassed (e.g. "every decoder layer went through our recompute", "the
 fused op wrote N gradients into main_grad").  :func:`reset` zeroes them;
 :func:`snapshot` returns a plain copy to diff against later.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,14 @@ _lock = threading.Lock()
 #: whose block changed one of its own tensor arguments in place, whose saved tensors were
 #: therefore kept from the forward and are never recomputed
 #: (:mod:`paddle_mgrad.recomputation.non_reentrant`)
-recompute = {"non_reentrant": 0, "reentrant": 0, "hybrid": 0, "recomputations": 0,
-             "reentrant_as_non_reentrant": 0, "kept_from_forward": 0}
+recompute = {
+    "non_reentrant": 0,
+    "reentrant": 0,
+    "hybrid": 0,
+    "recomputations": 0,
+    "reentrant_as_non_reentrant": 0,
+    "kept_from_forward": 0,
+}
 #: per recompute policy other than ``full`` (:mod:`paddle_mgrad.recomputation.policy`), by its
 #: name: block ``calls``, GEMM outputs kept from their forwards (``kept_outputs``, after those
 #: changed in place were dropped), sublayer calls kept (``sublayers_kept``, ``save:``), the
@@ -34,16 +41,32 @@ policy: dict = {}
 #: activations without recompute) and per candidate the ``measured`` seconds and bytes.  A
 #: plan holds for the rest of the process (not cleared by :func:`reset`).
 plans: dict = {}
-POLICY_COUNTERS = ("calls", "kept_outputs", "kept_bytes", "replays", "gemms_not_recomputed",
-                   "gemm_flops_not_recomputed", "sublayers_kept", "sublayers_not_recomputed")
+POLICY_COUNTERS = (
+    "calls",
+    "kept_outputs",
+    "kept_bytes",
+    "replays",
+    "gemms_not_recomputed",
+    "gemm_flops_not_recomputed",
+    "sublayers_kept",
+    "sublayers_not_recomputed",
+)
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the
 #: op accumulated into main_grad, of those the zero-bubble deferred weight gradients
 #: (``zero_bubble``: Paddle 3.x ``WeightGradStore``, ours), and backwards of any of them in a
 #: ``paddle.grad`` pass (``functional_backward``: plain gradients, nothing accumulated)
-linear = {"forward": 0, "backward": 0, "overlap_forward": 0, "overlap_backward": 0,
-          "sp_overlap_forward": 0, "sp_overlap_backward": 0, "into_main_grad": 0,
-          "zero_bubble": 0, "functional_backward": 0}
+linear = {
+    "forward": 0,
+    "backward": 0,
+    "overlap_forward": 0,
+    "overlap_backward": 0,
+    "sp_overlap_forward": 0,
+    "sp_overlap_backward": 0,
+    "into_main_grad": 0,
+    "zero_bubble": 0,
+    "functional_backward": 0,
+}
 #: calls of ``paddle._C_ops.fused_linear_param_grad_add`` while fused_linear is on: run by our
 #: op (CPU tensors) or handed to Paddle's own kernel (places where Paddle has one)
 paddle_c_ops = {"ours": 0, "paddle": 0}
@@ -90,8 +113,11 @@ def reset():
 
 def snapshot() -> dict:
     with _lock:
-        return {"recompute": dict(recompute), "linear": dict(linear),
-                "paddle_c_ops": dict(paddle_c_ops),
-                "policy": {k: dict(v) for k, v in policy.items()},
-                "plans": {k: dict(v) for k, v in plans.items()},
-                "fused_params": set(fused_params)}
+        return {
+            "recompute": dict(recompute),
+            "linear": dict(linear),
+            "paddle_c_ops": dict(paddle_c_ops),
+            "policy": {k: dict(v) for k, v in policy.items()},
+            "plans": {k: dict(v) for k, v in plans.items()},
+            "fused_params": set(fused_params),
+        }

@@ -2,6 +2,7 @@
 
 Everything they change inside Paddle is listed in :mod:`paddle_mgrad.registry`.
 """
+
 from __future__ import annotations
 
 # Re-exported: the parser lives with the variable it reads (env.py, a bottom module), so that
@@ -62,5 +63,7 @@ def enabled() -> dict:
     """``{"recompute": bool, "fused_linear": bool}``."""
     from . import registry
 
-    return {"recompute": registry.is_installed("recompute"),
-            "fused_linear": registry.is_installed("linear")}
+    return {
+        "recompute": registry.is_installed("recompute"),
+        "fused_linear": registry.is_installed("linear"),
+    }

@@ -30,6 +30,7 @@ Without any code: ``PADDLE_MGRAD=all`` (see :mod:`paddle_mgrad.autoload`).
 
 Nothing here imports PaddleNLP.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,23 +52,33 @@ __all__ = ["MgradArguments", "mgrad_arguments_for", "FlagError", "apply"]
 class MgradArguments:
     enable_linear_fused_grad_add: bool = field(
         default=False,
-        metadata={"help": "Accumulate linear weight/bias gradients in place into fp32 main_grad "
-                          "with paddle_mgrad's fused op (PaddleNLP llm/ flag name)."})
+        metadata={
+            "help": "Accumulate linear weight/bias gradients in place into fp32 main_grad "
+            "with paddle_mgrad's fused op (PaddleNLP llm/ flag name)."
+        },
+    )
     mgrad_fix_recompute: Optional[bool] = field(
         default=None,
-        metadata={"help": "Route Paddle's recompute through paddle_mgrad.recompute (keeps main_grad "
-                          "and parameter attributes, CPU RNG on Paddle 2.6, determinism check). "
-                          "Default: on when --recompute is on."})
+        metadata={
+            "help": "Route Paddle's recompute through paddle_mgrad.recompute (keeps main_grad "
+            "and parameter attributes, CPU RNG on Paddle 2.6, determinism check). "
+            "Default: on when --recompute is on."
+        },
+    )
     recompute_policy: Optional[str] = field(
         default=None,
-        metadata={"help": "What recompute keeps from the forward instead of recomputing it, for "
-                          "every recompute call (Paddle's own included): full (keep nothing), "
-                          "gemm (keep every linear's output: no GEMM is recomputed) or "
-                          "save:<pattern>[,<pattern>...] (sublayers whose class name or "
-                          "attribute path matches, e.g. save:self_attn, are not recomputed). "
-                          "Default: $PADDLE_MGRAD_RECOMPUTE_POLICY, else full."})
+        metadata={
+            "help": "What recompute keeps from the forward instead of recomputing it, for "
+            "every recompute call (Paddle's own included): full (keep nothing), "
+            "gemm (keep every linear's output: no GEMM is recomputed) or "
+            "save:<pattern>[,<pattern>...] (sublayers whose class name or "
+            "attribute path matches, e.g. save:self_attn, are not recomputed). "
+            "Default: $PADDLE_MGRAD_RECOMPUTE_POLICY, else full."
+        },
+    )
     mgrad_audit: bool = field(
-        default=True, metadata={"help": "Report which parameters got their gradient in main_grad."})
+        default=True, metadata={"help": "Report which parameters got their gradient in main_grad."}
+    )
 
 
 def mgrad_arguments_for(*dataclasses_):
@@ -83,8 +94,11 @@ def mgrad_arguments_for(*dataclasses_):
     if not taken & {f.name for f in own}:
         return MgradArguments
     hints = typing.get_type_hints(MgradArguments)
-    kept = [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
-            for f in own if f.name not in taken]
+    kept = [
+        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
+        for f in own
+        if f.name not in taken
+    ]
     cls = dataclasses.make_dataclass("MgradArguments", kept)
     cls.__module__ = __name__
     cls.__doc__ = f"MgradArguments without {', '.join(sorted(taken & {f.name for f in own}))}."
@@ -104,8 +118,9 @@ def _flag_requested(name, argv) -> bool:
     return value
 
 
-def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *other_args,
-          argv=None) -> dict:
+def apply(
+    training_args=None, mgrad_args: Optional[MgradArguments] = None, *other_args, argv=None
+) -> dict:
     """Validate the flags and switch paddle_mgrad on; call before building the model.
 
     ``--enable_linear_fused_grad_add`` is read from whichever of ``mgrad_args``,
@@ -116,20 +131,30 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *othe
     combinations that cannot work.
     """
     mgrad_args = mgrad_args or MgradArguments()
-    fused = any(bool(getattr(a, "enable_linear_fused_grad_add", False))
-                for a in (mgrad_args, training_args, *other_args) if a is not None)
+    fused = any(
+        bool(getattr(a, "enable_linear_fused_grad_add", False))
+        for a in (mgrad_args, training_args, *other_args)
+        if a is not None
+    )
     recompute_on = bool(getattr(training_args, "recompute", False))
     fix = getattr(mgrad_args, "mgrad_fix_recompute", None)
     fix_recompute = recompute_on if fix is None else fix
     amp_on = bool(getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False))
 
     if training_args is not None and _flag_requested("amp_master_grad", argv) and not amp_on:
-        raise FlagError("--amp_master_grad needs AMP (PaddleNLP silently turns it off without it): "
-                        "add --bf16 true --fp16_opt_level O2 (or --fp16 true).")
-    if training_args is not None and getattr(training_args, "amp_master_grad", False) and \
-            getattr(training_args, "fp16_opt_level", "O2") != "O2":
-        raise FlagError("--amp_master_grad keeps fp32 master gradients for O2 AMP only: "
-                        "use --fp16_opt_level O2.")
+        raise FlagError(
+            "--amp_master_grad needs AMP (PaddleNLP silently turns it off without it): "
+            "add --bf16 true --fp16_opt_level O2 (or --fp16 true)."
+        )
+    if (
+        training_args is not None
+        and getattr(training_args, "amp_master_grad", False)
+        and getattr(training_args, "fp16_opt_level", "O2") != "O2"
+    ):
+        raise FlagError(
+            "--amp_master_grad keeps fp32 master gradients for O2 AMP only: "
+            "use --fp16_opt_level O2."
+        )
     info = {"recompute": bool(fix_recompute), "fused_linear": fused}
     policy = getattr(mgrad_args, "recompute_policy", None)
     if policy is not None:
@@ -138,8 +163,10 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *othe
         except ValueError as e:
             raise FlagError(str(e)) from None
         if not info["recompute"]:
-            raise FlagError(f"--recompute_policy {policy} needs paddle_mgrad's recompute: add "
-                            "--recompute true (or --mgrad_fix_recompute true).")
+            raise FlagError(
+                f"--recompute_policy {policy} needs paddle_mgrad's recompute: add "
+                "--recompute true (or --mgrad_fix_recompute true)."
+            )
         # read at each recompute call (Paddle's own too): the whole process and its children
         os.environ[RECOMPUTE_POLICY] = info["recompute_policy"]
     if fused:
@@ -154,7 +181,8 @@ def apply(training_args=None, mgrad_args: Optional[MgradArguments] = None, *othe
                 "--enable_linear_fused_grad_add on GPU needs paddle_mgrad's CUDA op or Paddle's "
                 f"fused_linear_param_grad_add kernel (now: {info['op_backend']}; "
                 f"{ops.cuda_fallback_reason() or ops.fallback_reason() or 'Paddle without CUDA'}); "
-                "install paddlepaddle-gpu and a CUDA toolkit (nvcc, cuBLASLt), or drop the flag.")
+                "install paddlepaddle-gpu and a CUDA toolkit (nvcc, cuBLASLt), or drop the flag."
+            )
     enable(recompute=info["recompute"], fused_linear=info["fused_linear"])
     on = ", ".join(k for k in ("recompute", "fused_linear") if info[k]) or "nothing"
     op = f" (op: {info['op_backend']})" if fused else ""

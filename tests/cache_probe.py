@@ -6,6 +6,7 @@ interpreter on them (:func:`run_probe`).  Where the point is what happens around
 (fresh directory, marker, rename), :data:`FAKE_COMPILE` replaces only the compiler step by a
 copy of that good build; the tests that are about the compiler itself build for real.
 """
+
 import json
 import os
 import shutil
@@ -111,13 +112,15 @@ def home_with_build(tmp_path):
 def compile_planted(tmp_path, marker):
     """A shared library whose constructor writes ``marker``: code that must never run."""
     src = tmp_path / "planted.c"
-    src.write_text(textwrap.dedent(f"""
+    src.write_text(
+        textwrap.dedent(f"""
         #include <stdio.h>
         __attribute__((constructor)) static void planted(void) {{
             FILE *f = fopen("{marker}", "w");
             if (f) {{ fputs("planted code ran\\n", f); fclose(f); }}
         }}
-    """))
+    """)
+    )
     out = tmp_path / "planted.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
     return str(out)
@@ -156,8 +159,19 @@ def modes(tree):
     return out
 
 
-def run_probe(cache, home, patch="", pth=False, code=None, cwd="/", umask=None,
-              start_new_session=False, popen=False, wrap=(), **env_extra):
+def run_probe(
+    cache,
+    home,
+    patch="",
+    pth=False,
+    code=None,
+    cwd="/",
+    umask=None,
+    start_new_session=False,
+    popen=False,
+    wrap=(),
+    **env_extra,
+):
     """Run :data:`PROBE` (or ``code``) in a fresh interpreter with ``PADDLE_MGRAD_CACHE=cache``
     and ``HOME=home``; with ``pth`` the interpreter processes paddle_mgrad_autoload.pth at start
     (as site-packages would); ``wrap`` prefixes the command (e.g. ``unshare ...``).  Returns the
@@ -191,4 +205,4 @@ def result(proc):
     assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by a signal):\n{out}"
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, out
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])

@@ -1,5 +1,6 @@
 """The suite's fixtures and hooks (and nothing a test module imports: shared names live in
 helpers.py, because pytest imports every ``conftest.py`` under the one module name ``conftest``)."""
+
 import importlib.util
 import os
 import shutil
@@ -38,11 +39,14 @@ class _NeedsPackage(pytest.Module):
 def pytest_pycollect_makemodule(module_path, parent):
     rel = os.path.relpath(str(module_path), TESTS)
     for where, (package, session) in NEEDS_PACKAGE.items():
-        if (rel == where or rel.startswith(where + os.sep)) \
-                and importlib.util.find_spec(package) is None:
+        if (rel == where or rel.startswith(where + os.sep)) and importlib.util.find_spec(
+            package
+        ) is None:
             module = _NeedsPackage.from_parent(parent, path=module_path)
-            module.reason = (f"tests/{where.replace(os.sep, '/')} needs {package}, not installed "
-                             f"(`{session}` installs it with its pins)")
+            module.reason = (
+                f"tests/{where.replace(os.sep, '/')} needs {package}, not installed "
+                f"(`{session}` installs it with its pins)"
+            )
             return module
     return None
 
@@ -58,8 +62,10 @@ HEAVY = "heavy"
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", f"{HEAVY}: a real build of the op or a nested suite (~20-60 s): scheduled "
-        "first, spread over the xdist workers (see pytest_collection_modifyitems)")
+        "markers",
+        f"{HEAVY}: a real build of the op or a nested suite (~20-60 s): scheduled "
+        "first, spread over the xdist workers (see pytest_collection_modifyitems)",
+    )
     if getattr(config, "workerinput", None) is not None:
         _private_worker_cache(config)
     elif getattr(config.option, "numprocesses", None) and not config.option.collectonly:
@@ -103,8 +109,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker(HEAVY) is not None:
             group = item.get_closest_marker("xdist_group")
-            key = (group.args[0] if group.args else group.kwargs.get("name", "default")) \
-                if group is not None else item.nodeid
+            key = (
+                (group.args[0] if group.args else group.kwargs.get("name", "default"))
+                if group is not None
+                else item.nodeid
+            )
             units.setdefault(key, []).append(item)
     if not units:
         return
@@ -142,13 +151,15 @@ def _clean_state():
         os.environ.update(before)
         for name in set(after) - set(before):
             del os.environ[name]
-        pytest.fail(f"the test changed PADDLE_MGRAD* variables and left them: {before} -> {after} "
-                    "(use monkeypatch.setenv/delenv)", pytrace=False)
+        pytest.fail(
+            f"the test changed PADDLE_MGRAD* variables and left them: {before} -> {after} "
+            "(use monkeypatch.setenv/delenv)",
+            pytrace=False,
+        )
 
 
 def _our_variables():
     return {k: v for k, v in os.environ.items() if k.startswith("PADDLE_MGRAD")}
-
 
 
 def _bench_module():

@@ -3,6 +3,7 @@ the suite (and which op backend it implies), and a probe script in a fresh inter
 files import it by name (``tests/`` is on ``sys.path`` once pytest has loaded
 ``tests/conftest.py``); conftest.py itself holds only fixtures and hooks, because pytest imports
 every ``conftest.py`` under the module name ``conftest`` and the last one loaded wins."""
+
 import os
 import re
 import subprocess
@@ -23,11 +24,14 @@ ROOT = os.path.dirname(TESTS)  # the checkout
 def run_probe_script(name, *args, timeout=300):
     """``python tests/<name> args...`` in a fresh interpreter, this checkout first on
     PYTHONPATH (crash probes: a signal shows as a negative return code, not a dead suite)."""
-    path = [ROOT] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return subprocess.run([sys.executable, os.path.join(TESTS, name), *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+    path = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return subprocess.run(
+        [sys.executable, os.path.join(TESTS, name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
+    )
 
 
 def expected_cpu_backend(environ=None):
@@ -39,8 +43,9 @@ def expected_cpu_backend(environ=None):
     failure this expectation exists to catch.)"""
     if mgrad_env.get("PADDLE_MGRAD_OPS", environ) == "python":
         return "python"
-    if paddle.base.core.is_compiled_with_mkldnn() \
-            and not mgrad_env.get("PADDLE_MGRAD_NO_ONEDNN", environ):
+    if paddle.base.core.is_compiled_with_mkldnn() and not mgrad_env.get(
+        "PADDLE_MGRAD_NO_ONEDNN", environ
+    ):
         return "cpp-onednn"
     return "cpp-portable"
 

@@ -4,6 +4,7 @@ segfaults (3.3.1: SIGSEGV in ``GradNodePyLayer``'s ``call_unpack_hook``); paddle
 ``save_for_backward`` flattens the list, so backward runs and the gradients equal a run
 without recompute.  ``python list_save_probe.py ours`` prints ``OURS OK``; ``native`` runs
 Paddle's own recompute (for the record: it crashes on 3.3.1)."""
+
 import sys
 import zlib  # noqa: F401  (before paddle on 2.6)
 
@@ -19,6 +20,7 @@ class L(PyLayer):
     def forward(ctx, x, a, b):
         ctx.save_for_backward(x, [a, b])
         return paddle.matmul(paddle.matmul(x, a), b)
+
     @staticmethod
     def backward(ctx, dy):
         x, (a, b) = ctx.saved_tensor()
@@ -26,6 +28,7 @@ class L(PyLayer):
         db = paddle.matmul(h, dy, transpose_x=True)
         dh = paddle.matmul(dy, b, transpose_y=True)
         return paddle.matmul(dh, a, transpose_y=True), paddle.matmul(x, dh, transpose_x=True), db
+
 
 def run(mode):
     paddle.seed(0)
@@ -44,8 +47,10 @@ def run(mode):
     (y * y).sum().backward()
     return [t.grad.numpy() for t in (x, a, b)]
 
+
 if sys.argv[1] == "native":
     from paddle.distributed.fleet.utils import recompute
+
     paddle.seed(0)
     x = paddle.randn([4, 3])
     x.stop_gradient = False

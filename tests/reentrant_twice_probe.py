@@ -6,6 +6,7 @@ after its first backward, so a second run dereferences it: plain Paddle (``fleet
 node guard raises ``RecomputeError`` first.  ``python reentrant_twice_probe.py ours`` prints one
 ``RESULT {json}`` line (mode -> what happened); ``native MODE`` runs Paddle's own recompute (for
 the record: it crashes)."""
+
 import json
 import sys
 import zlib  # noqa: F401  (before paddle on 2.6)
@@ -28,8 +29,9 @@ class Block(paddle.nn.Layer):
 
 
 def grads(model, x):
-    return [None if t.grad is None else t.grad.numpy().copy()
-            for t in [x] + list(model.parameters())]
+    return [
+        None if t.grad is None else t.grad.numpy().copy() for t in [x] + list(model.parameters())
+    ]
 
 
 def first_loss(mode, y, h):
@@ -50,8 +52,9 @@ def scenario(mode, recompute):
     y, h = recompute(model, x, use_reentrant=True)
     try:
         first_loss(mode, y, h).backward(retain_graph=mode != "backward_twice")
-        out["first_ok"] = all(np.allclose(a, b, rtol=1e-5, atol=1e-6)
-                              for a, b in zip(ref, grads(model, x)))
+        out["first_ok"] = all(
+            np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, grads(model, x))
+        )
         if mode == "multi_output":
             h.sum().backward()  # through the other output only
         elif mode == "retain_then_grad":
@@ -67,17 +70,22 @@ def scenario(mode, recompute):
     model.clear_gradients()
     x.clear_gradient()
     first_loss(mode, *recompute(model, x, use_reentrant=True)).backward()
-    out["fresh_ok"] = all(np.allclose(a, b, rtol=1e-5, atol=1e-6)
-                          for a, b in zip(ref, grads(model, x)))
+    out["fresh_ok"] = all(
+        np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, grads(model, x))
+    )
     return out
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "native":
         from paddle.distributed.fleet.utils import recompute
+
         print("RESULT " + json.dumps({sys.argv[2]: scenario(sys.argv[2], recompute)}), flush=True)
     else:
         import paddle_mgrad
+
         paddle_mgrad.enable()  # recompute + fused_linear: Block's linears are our PyLayers
-        print("RESULT " + json.dumps({m: scenario(m, paddle_mgrad.recompute) for m in MODES}),
-              flush=True)
+        print(
+            "RESULT " + json.dumps({m: scenario(m, paddle_mgrad.recompute) for m in MODES}),
+            flush=True,
+        )

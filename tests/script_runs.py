@@ -1,6 +1,7 @@
 """Run a training script as a user does (its own process, one or more ranks through
 ``paddle.distributed.launch``), for tests/nlp and tests/formers.  Test-only; never part of the
 package.  Each test file builds its own command line and modes from these pieces."""
+
 import os
 import shutil
 import subprocess
@@ -14,18 +15,23 @@ def script_env():
     """This environment without paddle_mgrad's, the test evidence's or a launcher's variables;
     one thread per rank; faulthandler and glibc's fatal messages on stderr (a rank sometimes
     dies of SIGABRT at exit with nothing in its log even so: :func:`launch`)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-               LIBC_FATAL_STDERR_="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PADDLE_MGRAD", "PMG_TEST_", "PADDLE_TRAINER"))
+    }
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", LIBC_FATAL_STDERR_="1"
+    )
     return env
 
 
 def with_evidence(env, audit_dir, evidence_dir):
     """The test's sitecustomize (``evidence_dir``) writes ``audit.<rank>.json`` to
     ``audit_dir``; the repository's paddle_mgrad is importable."""
-    env.update(PMG_TEST_AUDIT_DIR=str(audit_dir),
-               PYTHONPATH=os.pathsep.join([str(evidence_dir), ROOT]))
+    env.update(
+        PMG_TEST_AUDIT_DIR=str(audit_dir), PYTHONPATH=os.pathsep.join([str(evidence_dir), ROOT])
+    )
 
 
 def switch_on(env, tmp_path):
@@ -81,7 +87,9 @@ def launch(argv, out_dir, nproc, env, timeout, cwd):
         shutil.rmtree(kept, ignore_errors=True)
         out_dir.rename(kept)
         rc, out = _launch_once(argv, out_dir, nproc, env, timeout, cwd)
-        out = f"--- NOTE: the first launch {why[1]}; repeated once; first run kept in {kept}\n" + out
+        out = (
+            f"--- NOTE: the first launch {why[1]}; repeated once; first run kept in {kept}\n" + out
+        )
         print(out.splitlines()[0])
     return rc, out
 
@@ -90,27 +98,45 @@ def _paddles_failure(out_dir, out, nproc):
     """(suffix, description) of a failed run to repeat (:func:`launch`), or None."""
     logs = [out_dir / "log" / f"workerlog.{r}" for r in range(nproc)]
     texts = [log.read_text(errors="replace") for log in logs if log.is_file()]
-    if len(texts) == nproc and ABORT in out and all(
-            COMPLETED in t and "Traceback (most recent call last)" not in t for t in texts):
-        return ("aborted", "lost a rank to SIGABRT at exit after training completed on every "
-                           "rank (Paddle's teardown)")
+    if (
+        len(texts) == nproc
+        and ABORT in out
+        and all(COMPLETED in t and "Traceback (most recent call last)" not in t for t in texts)
+    ):
+        return (
+            "aborted",
+            "lost a rank to SIGABRT at exit after training completed on every "
+            "rank (Paddle's teardown)",
+        )
     if any(gloo_refused([t]) and COMPLETED not in t for t in texts):  # refused before training
-        return ("refused", "had a rank's gloo rendezvous refused before training (a port "
-                           "race between concurrent launches)")
+        return (
+            "refused",
+            "had a rank's gloo rendezvous refused before training (a port "
+            "race between concurrent launches)",
+        )
     return None
 
 
 def _launch_once(argv, out_dir, nproc, env, timeout, cwd):
     if nproc > 1:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-               str(out_dir / "log"), "--nproc_per_node", str(nproc), *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "paddle.distributed.launch",
+            "--log_dir",
+            str(out_dir / "log"),
+            "--nproc_per_node",
+            str(nproc),
+            *argv,
+        ]
     else:
         cmd = [sys.executable, *argv]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                       cwd=str(cwd))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(cwd))
     out = r.stdout + r.stderr
     if nproc > 1 and (out_dir / "log").is_dir():
-        workers = "".join(f"\n--- {log.name}\n" + log.read_text(errors="replace")
-                          for log in sorted((out_dir / "log").iterdir()))
+        workers = "".join(
+            f"\n--- {log.name}\n" + log.read_text(errors="replace")
+            for log in sorted((out_dir / "log").iterdir())
+        )
         out = workers + "\n--- launcher\n" + out
     return r.returncode, out

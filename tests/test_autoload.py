@@ -5,6 +5,7 @@ Subprocesses start with ``paddle_mgrad_autoload.pth`` processed at interpreter s
 installed one where paddle_mgrad is pip-installed, else a copy in a directory that the test
 sitecustomize (tests/nlp/evidence) hands to ``site.addsitedir`` -- the same code path.
 """
+
 import json
 import os
 import re
@@ -37,14 +38,24 @@ def run_py(code, tmp_path, pythonpath=ROOT, pth_dir=None, **env_extra):
         pth_dir.mkdir(exist_ok=True)
         shutil.copy(PTH, pth_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_MGRAD")}
-    env.update(PYTHONPATH=os.pathsep.join([EVIDENCE, str(pythonpath)]), PMG_TEST_PTH_DIR=str(pth_dir),
-               PADDLE_MGRAD_CACHE=os.environ.get("PADDLE_MGRAD_CACHE", ""), **env_extra)
+    env.update(
+        PYTHONPATH=os.pathsep.join([EVIDENCE, str(pythonpath)]),
+        PMG_TEST_PTH_DIR=str(pth_dir),
+        PADDLE_MGRAD_CACHE=os.environ.get("PADDLE_MGRAD_CACHE", ""),
+        **env_extra,
+    )
     if not env["PADDLE_MGRAD_CACHE"]:
         del env["PADDLE_MGRAD_CACHE"]
     if isinstance(code, tuple):
         code = "\n".join(textwrap.dedent(c) for c in code)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=600, cwd=str(tmp_path))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
 
 
 STATE = """
@@ -56,12 +67,21 @@ STATE = """
 """
 
 
-@pytest.mark.parametrize("value,expected", [
-    (None, (False, False)), ("", (False, False)), ("0", (False, False)), (" 0 ", (False, False)),
-    ("recompute", (True, False)), ("fused_linear", (False, True)),
-    ("recompute,fused_linear", (True, True)), ("Fused_Linear , recompute", (True, True)),
-    ("all", (True, True)), ("ALL", (True, True)),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (None, (False, False)),
+        ("", (False, False)),
+        ("0", (False, False)),
+        (" 0 ", (False, False)),
+        ("recompute", (True, False)),
+        ("fused_linear", (False, True)),
+        ("recompute,fused_linear", (True, True)),
+        ("Fused_Linear , recompute", (True, True)),
+        ("all", (True, True)),
+        ("ALL", (True, True)),
+    ],
+)
 def test_parse_activation(value, expected):
     got = parse_activation(value)
     assert (got["recompute"], got["fused_linear"]) == expected
@@ -72,7 +92,9 @@ def test_parse_activation_rejects_with_one_line(value):
     with pytest.raises(FlagError) as e:
         parse_activation(value)
     msg = str(e.value)
-    assert "\n" not in msg and "recompute, fused_linear" in msg and "all" in msg and "0/empty" in msg
+    assert (
+        "\n" not in msg and "recompute, fused_linear" in msg and "all" in msg and "0/empty" in msg
+    )
 
 
 @pytest.mark.parametrize("value", [None, "", "0"])
@@ -81,13 +103,20 @@ def test_unset_imports_nothing(tmp_path, value):
     r = run_py((STATE, "print(json.dumps(state()))"), tmp_path, **extra)
     assert r.returncode == 0, r.stderr
     # the .pth ran (its module is loaded) and did nothing else: no paddle, no hook
-    assert json.loads(r.stdout) == {"paddle": False, "paddle_mgrad": False, "autoload": True,
-                                    "hook": False}
+    assert json.loads(r.stdout) == {
+        "paddle": False,
+        "paddle_mgrad": False,
+        "autoload": True,
+        "hook": False,
+    }
     assert "paddle_mgrad" not in r.stderr
 
 
 def test_all_enables_at_first_paddle_import(tmp_path):
-    r = run_py((STATE, """
+    r = run_py(
+        (
+            STATE,
+            """
         order = []  # imports in the order they start; paddle's body starts with its submodules
         sys.addaudithook(lambda ev, args: order.append(args[0]) if ev == "import" else None)
         before = state()
@@ -98,7 +127,11 @@ def test_all_enables_at_first_paddle_import(tmp_path):
         print(json.dumps({"before": before, "after": state(), "enabled": paddle_mgrad.enabled(),
                           "c_ops": registry.is_installed("_C_ops.fused_linear_param_grad_add"),
                           "zlib_first": "zlib" in order[:first_sub]}))
-    """), tmp_path, PADDLE_MGRAD="all")
+    """,
+        ),
+        tmp_path,
+        PADDLE_MGRAD="all",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["before"] == {"paddle": False, "paddle_mgrad": False, "autoload": True, "hook": True}
@@ -113,21 +146,30 @@ def test_all_enables_at_first_paddle_import(tmp_path):
 
 def test_import_paddle_mgrad_before_paddle(tmp_path):
     """paddle_mgrad's own __init__ imports paddle: activation waits until the package is whole."""
-    r = run_py("""
+    r = run_py(
+        """
         import paddle_mgrad
         from paddle_mgrad import registry
         print(paddle_mgrad.enabled(), registry.is_installed("_C_ops.fused_linear_param_grad_add"))
-    """, tmp_path, PADDLE_MGRAD="all")
+    """,
+        tmp_path,
+        PADDLE_MGRAD="all",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "{'recompute': True, 'fused_linear': True} True" in r.stdout
     assert len(activation_lines(r.stderr)) == 1, r.stderr
 
 
 def test_one_feature_and_rank_prefix(tmp_path):
-    r = run_py("""
+    r = run_py(
+        """
         import paddle, paddle_mgrad
         print(paddle_mgrad.enabled())
-    """, tmp_path, PADDLE_MGRAD="recompute", PADDLE_TRAINER_ID="1")
+    """,
+        tmp_path,
+        PADDLE_MGRAD="recompute",
+        PADDLE_TRAINER_ID="1",
+    )
     assert r.returncode == 0, r.stderr
     assert "{'recompute': True, 'fused_linear': False}" in r.stdout
     lines = activation_lines(r.stderr)
@@ -174,12 +216,17 @@ def test_bad_value_is_one_line_and_exit_2_at_first_paddle_import(tmp_path):
 
 def test_report_at_exit(tmp_path):
     report = tmp_path / "report"
-    r = run_py("""
+    r = run_py(
+        """
         import paddle
         from paddle.distributed.fleet.utils import recompute
         x = paddle.randn([4]); x.stop_gradient = False
         recompute(paddle.tanh, x, use_reentrant=False).sum().backward()
-    """, tmp_path, PADDLE_MGRAD="recompute", PADDLE_MGRAD_REPORT=str(report))
+    """,
+        tmp_path,
+        PADDLE_MGRAD="recompute",
+        PADDLE_MGRAD_REPORT=str(report),
+    )
     assert r.returncode == 0, r.stderr
     (name,) = os.listdir(report)
     data = json.load(open(report / name))
@@ -193,29 +240,72 @@ def test_pip_install_puts_the_pth_into_site_packages(tmp_path):
     the .pth and the module it imports land at the top of site-packages."""
     src = tmp_path / "src"  # a clean copy: no build/ left over from earlier builds
     src.mkdir()
-    for name in ("setup.py", "MANIFEST.in", "README.md", "paddle_mgrad_autoload.py",
-                 "paddle_mgrad_autoload.pth"):
+    for name in (
+        "setup.py",
+        "MANIFEST.in",
+        "README.md",
+        "paddle_mgrad_autoload.py",
+        "paddle_mgrad_autoload.pth",
+    ):
         shutil.copy(os.path.join(ROOT, name), src)
     for name in ("paddle_mgrad", "csrc"):
-        shutil.copytree(os.path.join(ROOT, name), src / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "_prebuilt"))
+        shutil.copytree(
+            os.path.join(ROOT, name),
+            src / name,
+            ignore=shutil.ignore_patterns("__pycache__", "_prebuilt"),
+        )
     target = tmp_path / "site-packages"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation",
-                        "--no-deps", "--target", str(target), str(src)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (target / "paddle_mgrad_autoload.pth").read_text().strip() == "import paddle_mgrad_autoload"
+    assert (
+        target / "paddle_mgrad_autoload.pth"
+    ).read_text().strip() == "import paddle_mgrad_autoload"
     assert (target / "paddle_mgrad_autoload.py").exists()
     # the installed copy switches paddle_mgrad on (PYTHONPATH: only the install target)
-    r2 = run_py("import paddle, paddle_mgrad; print(paddle_mgrad.__file__, paddle_mgrad.enabled())",
-                tmp_path, pythonpath=target, pth_dir=target, PADDLE_MGRAD="recompute")
+    r2 = run_py(
+        "import paddle, paddle_mgrad; print(paddle_mgrad.__file__, paddle_mgrad.enabled())",
+        tmp_path,
+        pythonpath=target,
+        pth_dir=target,
+        PADDLE_MGRAD="recompute",
+    )
     assert r2.returncode == 0, r2.stderr
     assert str(target) in r2.stdout and "'recompute': True" in r2.stdout
 
     wheels = tmp_path / "wheels"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation",
-                        "--no-deps", "-w", str(wheels), str(src)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            str(wheels),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = wheels.iterdir()
     names = zipfile.ZipFile(whl).namelist()

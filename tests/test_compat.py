@@ -5,6 +5,7 @@ probes a Paddle module or class for an attribute (``hasattr(_C_ops, ...)``,
 ``getattr(core.eager.Tensor, ...)``) is making such a decision on its own: this test names it,
 so that the fact moves to ``_compat.py`` with its line of why.
 """
+
 import ast
 import os
 
@@ -42,18 +43,28 @@ def findings(source, path="<source>"):
         elif isinstance(node, ast.Attribute) and node.attr in VERSION_NAMES:
             found.append((node.lineno, f"uses {ast.unparse(node)}"))
         elif isinstance(node, ast.ImportFrom) and any(a.name in VERSION_NAMES for a in node.names):
-            found.append((node.lineno, "imports " + ", ".join(a.name for a in node.names
-                                                              if a.name in VERSION_NAMES)))
-        elif (isinstance(node, ast.Attribute) and node.attr == "__version__"
-              and _root(node) in PADDLE_ROOTS):
+            found.append(
+                (
+                    node.lineno,
+                    "imports " + ", ".join(a.name for a in node.names if a.name in VERSION_NAMES),
+                )
+            )
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__version__"
+            and _root(node) in PADDLE_ROOTS
+        ):
             up = parent.get(node)
             if isinstance(up, ast.Compare) or (
-                    isinstance(up, ast.Attribute) and up.attr in ("split", "startswith")):
+                isinstance(up, ast.Attribute) and up.attr in ("split", "startswith")
+            ):
                 found.append((node.lineno, f"compares {ast.unparse(node)}"))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and (node.func.id == "hasattr" or (node.func.id == "getattr"
-                                                 and len(node.args) == 3))
-              and _root(node.args[0]) in PADDLE_ROOTS):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and (node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3))
+            and _root(node.args[0]) in PADDLE_ROOTS
+        ):
             found.append((node.lineno, f"probes {ast.unparse(node)}"))
     return found
 
@@ -81,36 +92,51 @@ def test_no_version_decision_outside_compat():
         with open(path, encoding="utf-8") as f:
             source = f.read()
         bad += [f"{rel}:{line}: {what}" for line, what in findings(source, path)]
-    assert not bad, ("version/capability decisions outside paddle_mgrad/_compat.py (name the "
-                     "fact there, with one line of why, and import it):\n" + "\n".join(bad))
+    assert not bad, (
+        "version/capability decisions outside paddle_mgrad/_compat.py (name the "
+        "fact there, with one line of why, and import it):\n" + "\n".join(bad)
+    )
 
 
-@pytest.mark.parametrize("source, what", [
-    ("from paddle_mgrad._compat import IS_PADDLE_2\nx = 1 if IS_PADDLE_2 else 2",
-     "uses IS_PADDLE_2"),
-    ("from .._compat import PADDLE_VERSION", "imports PADDLE_VERSION"),
-    ("from . import _compat\nx = _compat.IS_PADDLE_2", "uses _compat.IS_PADDLE_2"),
-    ("import paddle\nold = paddle.__version__ < '3'", "compares paddle.__version__"),
-    ("import paddle\nold = paddle.__version__.startswith('2.')", "compares paddle.__version__"),
-    ("from paddle import _C_ops\nok = hasattr(_C_ops, 'fused_linear_param_grad_add')",
-     "probes hasattr(_C_ops, 'fused_linear_param_grad_add')"),
-    ("ok = hasattr(core.eager.Tensor, '_new_shared_tensor')",
-     "probes hasattr(core.eager.Tensor, '_new_shared_tensor')"),
-    ("run = getattr(paddle.framework.core.eager, '_run_custom_op', None)",
-     "probes getattr(paddle.framework.core.eager, '_run_custom_op', None)"),
-])
+@pytest.mark.parametrize(
+    "source, what",
+    [
+        (
+            "from paddle_mgrad._compat import IS_PADDLE_2\nx = 1 if IS_PADDLE_2 else 2",
+            "uses IS_PADDLE_2",
+        ),
+        ("from .._compat import PADDLE_VERSION", "imports PADDLE_VERSION"),
+        ("from . import _compat\nx = _compat.IS_PADDLE_2", "uses _compat.IS_PADDLE_2"),
+        ("import paddle\nold = paddle.__version__ < '3'", "compares paddle.__version__"),
+        ("import paddle\nold = paddle.__version__.startswith('2.')", "compares paddle.__version__"),
+        (
+            "from paddle import _C_ops\nok = hasattr(_C_ops, 'fused_linear_param_grad_add')",
+            "probes hasattr(_C_ops, 'fused_linear_param_grad_add')",
+        ),
+        (
+            "ok = hasattr(core.eager.Tensor, '_new_shared_tensor')",
+            "probes hasattr(core.eager.Tensor, '_new_shared_tensor')",
+        ),
+        (
+            "run = getattr(paddle.framework.core.eager, '_run_custom_op', None)",
+            "probes getattr(paddle.framework.core.eager, '_run_custom_op', None)",
+        ),
+    ],
+)
 def test_the_check_sees_each_kind_of_decision(source, what):
     assert what in [w for _, w in findings(source)]
 
 
 def test_ordinary_code_is_no_decision():
-    source = ("import paddle\n"
-              "def f(t, ctx):\n"
-              "    y = paddle.matmul(t, t)\n"
-              "    g = getattr(ctx, 'facts', None)\n"
-              "    d = getattr(paddle, 'float32')\n"
-              "    key = paddle.__version__ + str(d)\n"
-              "    return hasattr(t, 'main_grad') and y\n")
+    source = (
+        "import paddle\n"
+        "def f(t, ctx):\n"
+        "    y = paddle.matmul(t, t)\n"
+        "    g = getattr(ctx, 'facts', None)\n"
+        "    d = getattr(paddle, 'float32')\n"
+        "    key = paddle.__version__ + str(d)\n"
+        "    return hasattr(t, 'main_grad') and y\n"
+    )
     assert findings(source) == []
 
 

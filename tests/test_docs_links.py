@@ -4,6 +4,7 @@ they name exists; docs/environment.md lists every variable of paddle_mgrad/env.p
 docs/gen_environment.py generates); the mutation-testing table names functions that exist; the
 README stays short; the docs describe the present (history goes to CHANGELOG.md).  Needs no Paddle
 beyond importing paddle_mgrad.env."""
+
 import ast
 import configparser
 import importlib.util
@@ -71,8 +72,10 @@ def links(path):
 
 
 def test_slug_matches_githubs():
-    assert slug("PaddleNLP 2.7.2 on Paddle 2.6.2 (the original report's stack)") == \
-        "paddlenlp-272-on-paddle-262-the-original-reports-stack"
+    assert (
+        slug("PaddleNLP 2.7.2 on Paddle 2.6.2 (the original report's stack)")
+        == "paddlenlp-272-on-paddle-262-the-original-reports-stack"
+    )
     assert slug("The llama example (`examples/llama/`)") == "the-llama-example-examplesllama"
     assert slug("GPU (H200)") == "gpu-h200"
 
@@ -84,7 +87,9 @@ def test_every_relative_link_and_anchor_resolves(path):
         if re.match(r"[a-z]+://|mailto:", target):
             continue  # external: not checked offline
         file_part, _, anchor = target.partition("#")
-        dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+        dest = (
+            os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+        )
         if not os.path.exists(dest):
             bad.append(f"{target}: no such file {os.path.relpath(dest, ROOT)}")
             continue
@@ -95,14 +100,18 @@ def test_every_relative_link_and_anchor_resolves(path):
 
 def test_link_checker_catches_breakage(tmp_path, monkeypatch):
     page = tmp_path / "p.md"
-    page.write_text("# Top\n[ok](#top) [gone](#nowhere) [file](missing.md)\n```\n[x](#in-code)\n```\n")
+    page.write_text(
+        "# Top\n[ok](#top) [gone](#nowhere) [file](missing.md)\n```\n[x](#in-code)\n```\n"
+    )
     assert links(str(page)) == ["#top", "#nowhere", "missing.md"]
     assert anchors(str(page)) == {"top"}
 
 
 def test_readme_is_short():
     n = len(read(os.path.join(ROOT, "README.md")).splitlines())
-    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}: move detail into docs/)"
+    assert n <= README_MAX_LINES, (
+        f"README.md has {n} lines (at most {README_MAX_LINES}: move detail into docs/)"
+    )
 
 
 def test_readme_keeps_the_two_commands():
@@ -110,12 +119,15 @@ def test_readme_keeps_the_two_commands():
     text = read(os.path.join(ROOT, "README.md"))
     for session in ("demo", "tests"):
         assert re.search(rf"^pip install nox && nox -s {session}$", text, re.M), session
-    assert re.search(r"pip install nox && nox -s tests(?![\w-])", read(os.path.join(ROOT, ".ci", "run")))
+    assert re.search(
+        r"pip install nox && nox -s tests(?![\w-])", read(os.path.join(ROOT, ".ci", "run"))
+    )
 
 
 def _gen_environment():
-    spec = importlib.util.spec_from_file_location("pmg_gen_environment",
-                                                  os.path.join(DOCS, "gen_environment.py"))
+    spec = importlib.util.spec_from_file_location(
+        "pmg_gen_environment", os.path.join(DOCS, "gen_environment.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -126,16 +138,24 @@ def test_environment_page_lists_every_knob():
     gen = _gen_environment()
     for knob in env.KNOBS:
         row = [ln for ln in text.splitlines() if ln.startswith(f"| `{knob.name}` |")]
-        assert len(row) == 1, f"{knob.name} missing from docs/environment.md: run python docs/gen_environment.py"
-        assert knob.accepted.replace("|", "\\|") in row[0] and knob.doc.replace("|", "\\|") in row[0]
-    assert gen.render(text, env.KNOBS) == text, "docs/environment.md is stale: run python docs/gen_environment.py"
+        assert len(row) == 1, (
+            f"{knob.name} missing from docs/environment.md: run python docs/gen_environment.py"
+        )
+        assert (
+            knob.accepted.replace("|", "\\|") in row[0] and knob.doc.replace("|", "\\|") in row[0]
+        )
+    assert gen.render(text, env.KNOBS) == text, (
+        "docs/environment.md is stale: run python docs/gen_environment.py"
+    )
 
 
 # ------------------------------------------------------------------ what the docs name exists
 def tracked_files():
     """The checkout's files, relative to the root (git's list; a walk where there is no git)."""
     try:
-        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
         return out.stdout.split()
     except (OSError, subprocess.CalledProcessError):
         found = []
@@ -147,12 +167,17 @@ def tracked_files():
 
 def code_spans(text):
     """Inline code spans outside fenced blocks, whitespace collapsed (a span may wrap a line)."""
-    return [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+    return [
+        " ".join(s.split())
+        for s in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    ]
 
 
 def code_blocks(text):
     """Fenced code blocks, each with its backslash-continued lines joined."""
-    return [re.sub(r"\\\n\s*", " ", b) for b in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)]
+    return [
+        re.sub(r"\\\n\s*", " ", b) for b in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+    ]
 
 
 _FILE = re.compile(r"(?:\.\./)?(?:[\w.-]+/)*[\w-][\w.-]*\.(?:py|cc|h|cu|md|cfg|toml|pth|json|txt)")
@@ -198,7 +223,9 @@ def test_every_file_the_docs_name_exists(path):
         found = resolve(name, path, files)
         if found is None:
             bad.append(f"`{span}`: no such file in the checkout")
-        elif function and not re.search(rf"^\s*def {function}\(", read(os.path.join(ROOT, found)), re.M):
+        elif function and not re.search(
+            rf"^\s*def {function}\(", read(os.path.join(ROOT, found)), re.M
+        ):
             bad.append(f"`{span}`: no function {function} in {found}")
     assert not bad, "\n".join(bad)
 
@@ -208,7 +235,9 @@ def commands(path):
     block of the page."""
     text = read(path)
     for chunk in code_spans(text) + code_blocks(text):
-        for m in re.finditer(r"(?:^|[\s(])((?:[\w.-]+/)*[\w-]+\.py)((?:[ \t]+[^\s`|;&()]+)*)", chunk, re.M):
+        for m in re.finditer(
+            r"(?:^|[\s(])((?:[\w.-]+/)*[\w-]+\.py)((?:[ \t]+[^\s`|;&()]+)*)", chunk, re.M
+        ):
             yield m.group(1), re.findall(r"(?<![\w-])--[\w-]+", m.group(2))
 
 
@@ -219,12 +248,21 @@ def test_every_script_option_the_docs_name_exists(path):
     files, bad = set(tracked_files()), []
     for script, options in commands(path):
         found = resolve(script, path, files) if script not in ELSEWHERE else None
-        if not options or found is None or not found.startswith(("benchmarks/", "examples/", "docs/", "tests/")):
+        if (
+            not options
+            or found is None
+            or not found.startswith(("benchmarks/", "examples/", "docs/", "tests/"))
+        ):
             continue
         folder = os.path.join(ROOT, os.path.dirname(found))
-        source = "".join(read(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".py"))
-        bad += [f"{script} {o}: not an option of {found}" for o in options
-                if f'"{o}"' not in source and f"'{o}'" not in source]
+        source = "".join(
+            read(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".py")
+        )
+        bad += [
+            f"{script} {o}: not an option of {found}"
+            for o in options
+            if f'"{o}"' not in source and f"'{o}'" not in source
+        ]
     assert not bad, "\n".join(bad)
 
 
@@ -237,8 +275,12 @@ def nox_sessions():
 def test_every_nox_session_the_docs_name_exists():
     sessions = nox_sessions()
     assert {"tests", "demo", "lint", "mutants"} <= sessions, sessions
-    bad = [f"{os.path.relpath(p, ROOT)}: nox -s {s}" for p in current_pages()
-           for s in re.findall(r"nox -s (\w+)", read(p)) if s not in sessions]
+    bad = [
+        f"{os.path.relpath(p, ROOT)}: nox -s {s}"
+        for p in current_pages()
+        for s in re.findall(r"nox -s (\w+)", read(p))
+        if s not in sessions
+    ]
     assert not bad, "no such nox session:\n" + "\n".join(bad)
 
 
@@ -250,8 +292,11 @@ def test_every_variable_the_docs_name_exists():
     """A ``PADDLE_MGRAD*`` name in the docs is a variable of paddle_mgrad/env.py, or one the test
     suite, noxfile.py or .ci/run reads (e.g. ``PADDLE_MGRAD_FUZZ_SEED``)."""
     knobs = {k.name for k in env.KNOBS}
-    code = "".join(read(os.path.join(ROOT, f)) for f in tracked_files()
-                   if f.endswith((".py", ".cc", ".h", ".cu")) or f == ".ci/run")
+    code = "".join(
+        read(os.path.join(ROOT, f))
+        for f in tracked_files()
+        if f.endswith((".py", ".cc", ".h", ".cu")) or f == ".ci/run"
+    )
     bad = []
     for p in current_pages():
         for name in set(re.findall(r"PADDLE_MGRAD(?:_[A-Z0-9]+)*\b", read(p))):
@@ -266,7 +311,9 @@ def test_the_mutation_table_names_functions_that_exist():
     cfg = configparser.ConfigParser()
     cfg.read(os.path.join(ROOT, "setup.cfg"))
     modules = {os.path.basename(p)[:-3]: p for p in cfg.get("mutmut", "only_mutate").split()}
-    rows = re.findall(r"^\| `(\w+)\.([\w.]+)` \| ([\d, ]+) \|", read(os.path.join(DOCS, "development.md")), re.M)
+    rows = re.findall(
+        r"^\| `(\w+)\.([\w.]+)` \| ([\d, ]+) \|", read(os.path.join(DOCS, "development.md")), re.M
+    )
     assert rows, "no mutant rows found in docs/development.md"
     bad = []
     for module, function, _numbers in rows:
@@ -279,21 +326,36 @@ def test_the_mutation_table_names_functions_that_exist():
         if owner:
             scope = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner]
             scope = scope[0].body if scope else []
-        if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in scope):
+        if not any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in scope
+        ):
             bad.append(f"{module}.{function}: no such function in {modules[module]}")
     assert not bad, "\n".join(bad)
 
 
 # ------------------------------------------------------------------ the docs describe the present
 #: projects whose own issue numbers the docs may cite (facts about the outside world)
-UPSTREAM = {"Paddle", "PaddlePaddle", "PaddleNLP", "PaddleFormers", "pytest-xdist", "mutmut", "Megatron",
-            "TransformerEngine", "NVIDIA", "CUDALibrarySamples"}
+UPSTREAM = {
+    "Paddle",
+    "PaddlePaddle",
+    "PaddleNLP",
+    "PaddleFormers",
+    "pytest-xdist",
+    "mutmut",
+    "Megatron",
+    "TransformerEngine",
+    "NVIDIA",
+    "CUDALibrarySamples",
+}
 
 #: how a lab notebook reads: history belongs in CHANGELOG.md
 HISTORY = [
     (r"\b([\w.-]+ )?[Ii]ssues? #?\d+", "an issue number"),
     (r"\(items? \d+|\bitems? \d+\b|\bitem by item\b", "an item number"),
-    (r"\b(?:first|second|third|fourth|fifth|sixth|previous|next|this|that) round\b|\bround \d+\b", "a round"),
+    (
+        r"\b(?:first|second|third|fourth|fifth|sixth|previous|next|this|that) round\b|\bround \d+\b",
+        "a round",
+    ),
     (r"\bthe same (?:morning|afternoon|evening|day)\b", "a time of day"),
     (r"\bstop \d+\b", "a stop number"),
     (r"\b(?:commit|clone of|tree) `?[0-9a-f]{7,40}\b", "a commit hash"),
@@ -315,10 +377,19 @@ def history_in(text):
 def test_history_detector_tells_history_from_the_present():
     issue, item = 23, 3  # formatted at run time: a grep of the tree for issue numbers skips this
     notebook = f"the fourth round of issue {issue} (item {item}), commit `799f9e9`"
-    assert history_in(notebook) == [("an issue number", notebook), ("an item number", notebook),
-                                    ("a round", notebook), ("a commit hash", notebook)]
-    assert history_in("pytest-xdist issue 1386; Paddle issue #70508; best of 7 interleaved rounds, "
-                      "`--rounds 10`, round by round") == []
+    assert history_in(notebook) == [
+        ("an issue number", notebook),
+        ("an item number", notebook),
+        ("a round", notebook),
+        ("a commit hash", notebook),
+    ]
+    assert (
+        history_in(
+            "pytest-xdist issue 1386; Paddle issue #70508; best of 7 interleaved rounds, "
+            "`--rounds 10`, round by round"
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize("path", current_pages(), ids=lambda p: os.path.relpath(p, ROOT))
@@ -326,5 +397,7 @@ def test_docs_state_what_is_true_now(path):
     """README.md and docs/*.md say what the code does and what was measured, in the present:
     issue and item numbers, rounds and commit hashes go to CHANGELOG.md."""
     found = history_in(read(path))
-    assert not found, "history in a page that describes the present (move it to CHANGELOG.md):\n" + \
-        "\n".join(f"{what}: {line}" for what, line in found)
+    assert not found, (
+        "history in a page that describes the present (move it to CHANGELOG.md):\n"
+        + "\n".join(f"{what}: {line}" for what, line in found)
+    )

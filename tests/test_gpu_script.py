@@ -1,5 +1,6 @@
 """CPU-side parts of benchmarks/gpu/bench_wgrad_gpu.py: arguments, reference math, and the
 Paddle-free core built with the script's own builder and driven through its ctypes API."""
+
 import importlib.util
 import json
 import os
@@ -16,8 +17,10 @@ spec.loader.exec_module(gpu)
 def test_parse_args_defaults_and_overrides():
     a = gpu.parse_args([])
     assert a.repeat == 30 and a.bench_shapes == gpu.BENCH_SHAPES
-    assert all(8192 <= t <= 16384 and 4096 <= k <= 14336 and 4096 <= n <= 14336
-               for t, k, n in a.bench_shapes)
+    assert all(
+        8192 <= t <= 16384 and 4096 <= k <= 14336 and 4096 <= n <= 14336
+        for t, k, n in a.bench_shapes
+    )
     q = gpu.parse_args(["--quick"])
     assert q.repeat == 10 and len(q.bench_shapes) == 2
     s = gpu.parse_args(["--shapes", "16:8:4,32:4:2", "--repeat", "3", "--out", "/tmp/x"])
@@ -73,8 +76,11 @@ def test_include_and_lib_dir_search_finds_toolkit_then_wheels(tmp_path, monkeypa
     assert gpu.cublas_lib_dirs() == [str(wheel / "lib")]
     tk = gpu.toolkit(need_thrust=True)
     assert tk.ok, tk.problem()
-    assert gpu.cuda_include_dirs(tk) == [str(home / "include"), str(wheel / "include"),
-                                         str(home / "include" / "cccl")]
+    assert gpu.cuda_include_dirs(tk) == [
+        str(home / "include"),
+        str(wheel / "include"),
+        str(home / "include" / "cccl"),
+    ]
     # without the wheel: no cuBLASLt directory, and only the toolkit's headers
     no_wheel = gpu.bc.find_cuda(search_paths=[], environ={"CUDA_HOME": str(home)})
     assert gpu.cublas_lib_dirs(no_wheel) == []
@@ -101,8 +107,9 @@ def test_core_rejects_bad_dtype_code(cpu_core_library):
     core = gpu.Core(cpu_core_library, cuda=False)
     x = np.zeros([2, 2], "float32")
     err = gpu.ctypes.create_string_buffer(256)
-    rc = core.lib.pmg_wgrad_cpu_c(x.ctypes.data, x.ctypes.data, 7, 2, 2, 2, x.ctypes.data, 0, 1.0,
-                                  None, 0, 1.0, err, 256)
+    rc = core.lib.pmg_wgrad_cpu_c(
+        x.ctypes.data, x.ctypes.data, 7, 2, 2, 2, x.ctypes.data, 0, 1.0, None, 0, 1.0, err, 256
+    )
     assert rc == 1 and b"dtype code" in err.value
 
 
@@ -114,7 +121,9 @@ def test_script_shares_the_packages_build_config_and_needs_no_paddle():
 
     from paddle_mgrad.ops import build_config
 
-    checkout = os.path.join(os.path.dirname(PATH), "..", "..", "paddle_mgrad", "ops", "build_config.py")
+    checkout = os.path.join(
+        os.path.dirname(PATH), "..", "..", "paddle_mgrad", "ops", "build_config.py"
+    )
     assert os.path.samefile(gpu.bc.__file__, checkout)
     with open(checkout) as a, open(build_config.__file__) as b:  # the package (maybe installed)
         assert a.read() == b.read()
@@ -123,7 +132,8 @@ def test_script_shares_the_packages_build_config_and_needs_no_paddle():
         "import sys, importlib.util; sys.modules['paddle'] = None\n"
         f"spec = importlib.util.spec_from_file_location('g', {PATH!r})\n"
         "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g)\n"
-        "tk = g.toolkit(); print('OK', g.bc.NVCC_FLAGS, tk.ok or tk.problem())\n")
+        "tk = g.toolkit(); print('OK', g.bc.NVCC_FLAGS, tk.ok or tk.problem())\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
 
@@ -132,8 +142,21 @@ def test_new_flags_and_items():
     a = gpu.parse_args(["--no-sanitizer", "--budget", "200"])
     assert a.no_sanitizer and a.budget == 200.0 and not a.sanitize_case
     assert gpu.parse_args([]).budget < 300  # the whole run fits the 5 minutes
-    assert gpu.ITEMS == ["build", "values", "offsets", "bias", "streams", "graph", "fp64",
-                         "capability", "checks", "bias-order", "pressure", "sanitizer", "speed"]
+    assert gpu.ITEMS == [
+        "build",
+        "values",
+        "offsets",
+        "bias",
+        "streams",
+        "graph",
+        "fp64",
+        "capability",
+        "checks",
+        "bias-order",
+        "pressure",
+        "sanitizer",
+        "speed",
+    ]
     assert gpu.TARGET_VS_GEMM == 1.05 and gpu.TARGET_BIAS == 1.03
 
 
@@ -173,22 +196,46 @@ def test_sanitizer_summary_and_finder(tmp_path, monkeypatch):
 
 
 def test_the_one_table():
-    report = {"device": "NVIDIA H200", "torch": "2.11", "cuda": "13.0", "targets_built": "sm_80+sm_90",
-              "date": "2026-01-01", "seconds": 200,
-              "checks": [
-                  {"item": "build", "case": "targets sm_80+sm_90", "ok": True, "detail": "20 s"},
-                  {"item": "values", "case": "a", "ok": True, "detail": ""},
-                  {"item": "values", "case": "b", "ok": False, "detail": "err/bound 3.1"},
-                  {"item": "graph", "case": "-", "ok": None, "detail": "simulation"},
-              ],
-              "bench": [{"shape": [8192, 4096, 4096], "ours_ms": 1.0, "ours_with_bias_ms": 1.02,
-                         "bias_path": "epilogue", "ours_bias_kernel_ms": 1.1, "bf16_gemm_ms": 0.97,
-                         "unfused_ms": 1.5, "ours_tflops": 275.0, "ours_vs_gemm": 1.0 / 0.97,
-                         "bias_vs_ours": 1.02},
-                        {"shape": [16384, 4096, 14336], "ours_ms": 1.2, "ours_with_bias_ms": 1.3,
-                         "bias_path": "kernel", "ours_bias_kernel_ms": 1.3, "bf16_gemm_ms": 1.0,
-                         "unfused_ms": 1.5, "ours_tflops": 275.0, "ours_vs_gemm": 1.2,
-                         "bias_vs_ours": 1.3 / 1.2}]}
+    report = {
+        "device": "NVIDIA H200",
+        "torch": "2.11",
+        "cuda": "13.0",
+        "targets_built": "sm_80+sm_90",
+        "date": "2026-01-01",
+        "seconds": 200,
+        "checks": [
+            {"item": "build", "case": "targets sm_80+sm_90", "ok": True, "detail": "20 s"},
+            {"item": "values", "case": "a", "ok": True, "detail": ""},
+            {"item": "values", "case": "b", "ok": False, "detail": "err/bound 3.1"},
+            {"item": "graph", "case": "-", "ok": None, "detail": "simulation"},
+        ],
+        "bench": [
+            {
+                "shape": [8192, 4096, 4096],
+                "ours_ms": 1.0,
+                "ours_with_bias_ms": 1.02,
+                "bias_path": "epilogue",
+                "ours_bias_kernel_ms": 1.1,
+                "bf16_gemm_ms": 0.97,
+                "unfused_ms": 1.5,
+                "ours_tflops": 275.0,
+                "ours_vs_gemm": 1.0 / 0.97,
+                "bias_vs_ours": 1.02,
+            },
+            {
+                "shape": [16384, 4096, 14336],
+                "ours_ms": 1.2,
+                "ours_with_bias_ms": 1.3,
+                "bias_path": "kernel",
+                "ours_bias_kernel_ms": 1.3,
+                "bf16_gemm_ms": 1.0,
+                "unfused_ms": 1.5,
+                "ours_tflops": 275.0,
+                "ours_vs_gemm": 1.2,
+                "bias_vs_ours": 1.3 / 1.2,
+            },
+        ],
+    }
     text = gpu.table(report)
     lines = text.splitlines()
     assert "NVIDIA H200" in lines[0] and "sm_80+sm_90" in lines[0]
@@ -227,7 +274,7 @@ def test_bias_path_shapes_are_where_the_bias_path_matters():
     shapes = dict(gpu.BIAS_PATH_SHAPES)
     assert set(shapes) == {"lora-A", "lora-B", "moe-expert", "moe-small", "large-M"}
     assert shapes["lora-A"][2] <= 64 and shapes["lora-B"][1] <= 64
-    assert all(t * n <= 2 ** 20 for t, _, n in (shapes["moe-expert"], shapes["moe-small"]))
+    assert all(t * n <= 2**20 for t, _, n in (shapes["moe-expert"], shapes["moe-small"]))
     assert shapes["large-M"][0] >= 65536
     # what the rows cost on the GPU: 6 timings x (3 + repeat) calls each, well inside the budget
     flops = sum(2.0 * t * k * n for t, k, n in shapes.values())
@@ -235,20 +282,42 @@ def test_bias_path_shapes_are_where_the_bias_path_matters():
 
 
 def test_the_table_shows_the_bias_path_rows():
-    row = {"name": "lora-A", "shape": [16384, 4096, 16], "bf16_gemm_ms": 0.05, "ours_ms": 0.05,
-           "colsum_ms": 0.01, "auto_ms": 0.06, "auto_path": "kernel", "kernel_ms": 0.06,
-           "epilogue_ms": 0.09, "auto_vs_best_forced": 1.0, "bias_kernel_GBps": 2600.0}
-    lines = gpu.table({"checks": [], "bench": [], "bias_paths": [row, dict(row, epilogue_ms=None)]}).splitlines()
+    row = {
+        "name": "lora-A",
+        "shape": [16384, 4096, 16],
+        "bf16_gemm_ms": 0.05,
+        "ours_ms": 0.05,
+        "colsum_ms": 0.01,
+        "auto_ms": 0.06,
+        "auto_path": "kernel",
+        "kernel_ms": 0.06,
+        "epilogue_ms": 0.09,
+        "auto_vs_best_forced": 1.0,
+        "bias_kernel_GBps": 2600.0,
+    }
+    lines = gpu.table(
+        {"checks": [], "bench": [], "bias_paths": [row, dict(row, epilogue_ms=None)]}
+    ).splitlines()
     rows = [ln for ln in lines if "lora-A 16384x4096x16" in ln]
-    assert len(rows) == 2 and "kernel" in rows[0] and "2600" in rows[0] and rows[1].split()[7] == "-"
+    assert (
+        len(rows) == 2 and "kernel" in rows[0] and "2600" in rows[0] and rows[1].split()[7] == "-"
+    )
 
 
 def test_the_script_is_a_small_package_of_modules():
     """The script is split by concern into modules; the command line stays the script's."""
     pkg = os.path.join(os.path.dirname(PATH), "pmg_gpu_bench")
     names = sorted(f for f in os.listdir(pkg) if f.endswith(".py"))
-    assert names == ["__init__.py", "build.py", "capi.py", "checks.py", "report.py", "sanitizer.py",
-                     "shapes.py", "timing.py"]
+    assert names == [
+        "__init__.py",
+        "build.py",
+        "capi.py",
+        "checks.py",
+        "report.py",
+        "sanitizer.py",
+        "shapes.py",
+        "timing.py",
+    ]
     for f in names + [os.path.join("..", "bench_wgrad_gpu.py")]:
         with open(os.path.join(pkg, f)) as fh:
             assert len(fh.read().splitlines()) <= 520, f
@@ -281,10 +350,16 @@ def _fake_torch():
         return np.zeros(shape, np.float32).view(_FakeArray)
 
     cuda = types.SimpleNamespace(empty_cache=lambda: None, _sleep=None)
-    return types.SimpleNamespace(randn=make, zeros=make, empty=lambda n, dtype=None, device=None:
-                                 np.zeros(n, np.uint8).view(_FakeArray),
-                                 matmul=lambda a, b: (a @ b).view(_FakeArray), bfloat16="bf16",
-                                 float32="f32", uint8="u8", cuda=cuda)
+    return types.SimpleNamespace(
+        randn=make,
+        zeros=make,
+        empty=lambda n, dtype=None, device=None: np.zeros(n, np.uint8).view(_FakeArray),
+        matmul=lambda a, b: (a @ b).view(_FakeArray),
+        bfloat16="bf16",
+        float32="f32",
+        uint8="u8",
+        cuda=cuda,
+    )
 
 
 class _FakeBench:
@@ -293,7 +368,12 @@ class _FakeBench:
     def __init__(self, sim):
         import types
 
-        self.sim, self.torch, self.dev, self.report = sim, _fake_torch(), "cpu", {"checks": [], "bench": []}
+        self.sim, self.torch, self.dev, self.report = (
+            sim,
+            _fake_torch(),
+            "cpu",
+            {"checks": [], "bench": []},
+        )
         self.args = types.SimpleNamespace(repeat=2, bench_shapes=[(8, 4, 2)])
         self.sync = lambda: None
         self.calls = []
@@ -303,8 +383,15 @@ class _FakeBench:
         self.calls.append((x.shape, db is not None, mode, "workspace" in ex))
         if mode == "epilogue" and x.shape[1] == 16:
             raise gpu.CoreError("PADDLE_MGRAD_CUDA_BIAS=epilogue, but it cannot apply: fake")
-        path = "none" if db is None else ("kernel (the epilogue's algorithm (0.30 waves) is not ...)"
-                                          if mode != "epilogue" else "epilogue")
+        path = (
+            "none"
+            if db is None
+            else (
+                "kernel (the epilogue's algorithm (0.30 waves) is not ...)"
+                if mode != "epilogue"
+                else "epilogue"
+            )
+        )
         return f"cap=90 bias={path} align=256,256,256,256 workspace=0@caller cached=1 ws_retry=0"
 
     def add(self, item, case, ok, detail="", **extra):
@@ -318,7 +405,9 @@ def test_timing_rows_run_on_a_fake_gpu(monkeypatch):
     """The speed and bias-path rows end to end on a fake torch and core (CPU timer): every shape,
     every bias path, a refused epilogue recorded, auto's path and reason parsed, the table."""
     timing = gpu.timing
-    monkeypatch.setattr(timing, "BIAS_PATH_SHAPES", [("lora-B", (64, 16, 32)), ("moe", (32, 8, 16))])
+    monkeypatch.setattr(
+        timing, "BIAS_PATH_SHAPES", [("lora-B", (64, 16, 32)), ("moe", (32, 8, 16))]
+    )
     monkeypatch.setattr(timing, "_CpuEvent", timing._CpuEvent)
     b = _FakeBench(sim=True)
     timing.speed(b)

@@ -9,6 +9,7 @@
   stale (main_grad replaced / None, ``layer.to``, dtype casts, stop_gradient toggled,
   enable()/disable(), flags set) is checked against plain Paddle with hypothesis.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,8 +29,21 @@ IS_2 = paddle.__version__.startswith("2.")
 
 
 # ------------------------------------------------------------------------- dtype names
-@pytest.mark.parametrize("name", ["float32", "float64", "float16", "bfloat16", "int32", "int64",
-                                  "bool", "uint8", "int8", "int16"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int32",
+        "int64",
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+    ],
+)
 def test_dtype_name_equals_str_for_tensor_and_paddle_dtypes(name):
     t = paddle.zeros([2], "float32").astype(name)
     for dt in (t.dtype, getattr(paddle, name), name, "paddle." + name):
@@ -80,10 +94,14 @@ def _bad_calls():
         ("dweight shape", (x, dy, paddle.ones([3, 5]), None, True, False)),
         ("dbias shape", (x, dy, paddle.ones([5, 3]), paddle.ones([5]), True, True)),
         ("dweight dtype", (x, dy, paddle.ones([5, 3], "float64"), None, True, False)),
-        ("bf16 dweight with mp", (xb, dyb, paddle.ones([5, 3]).astype("bfloat16"), None, True,
-                                  False)),
-        ("bf16 dbias with mp", (xb, dyb, paddle.ones([5, 3]), paddle.ones([3]).astype("bfloat16"),
-                                True, True)),
+        (
+            "bf16 dweight with mp",
+            (xb, dyb, paddle.ones([5, 3]).astype("bfloat16"), None, True, False),
+        ),
+        (
+            "bf16 dbias with mp",
+            (xb, dyb, paddle.ones([5, 3]), paddle.ones([3]).astype("bfloat16"), True, True),
+        ),
         ("leading dims", (x, paddle.randn([5, 3]), paddle.ones([5, 3]), None, True, False)),
         ("rank", (x, paddle.randn([1, 4, 3]), None, None, True, False)),
         ("x/dout dtypes", (x, dy.astype("float64"), None, None, True, False)),
@@ -192,8 +210,15 @@ def _event(pair, kind, rs):
             paddle.set_flags({flag: not cur})
 
 
-EVENTS = ["step", "main_grad=None", "main_grad=other tensor", "to(cpu)", "toggle stop_gradient",
-          "toggle fused", "set_flags"]
+EVENTS = [
+    "step",
+    "main_grad=None",
+    "main_grad=other tensor",
+    "to(cpu)",
+    "toggle stop_gradient",
+    "toggle fused",
+    "set_flags",
+]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -211,8 +236,9 @@ def test_event_sequences_match_plain_paddle(events, seed):
                     assert (p.main_grad is None) == (q.main_grad is None), kind
                     if p.main_grad is not None:
                         assert p.main_grad.dtype == paddle.float32
-                        np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(),
-                                                   rtol=1e-5, atol=1e-5)
+                        np.testing.assert_allclose(
+                            p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5
+                        )
             else:
                 _event(pair, kind, rs)
     finally:
@@ -317,15 +343,34 @@ def _layer_pair(bias, mixprec, rs):
     return ours, ref
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(bias=st.booleans(), mixprec=st.booleans(), w_first=st.booleans(), b_first=st.booleans(),
-       strided=st.booleans(), x_grad=st.booleans(), w_frozen=st.booleans(),
-       b_frozen=st.booleans(), hook=st.booleans(), steps=st.integers(1, 2),
-       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    bias=st.booleans(),
+    mixprec=st.booleans(),
+    w_first=st.booleans(),
+    b_first=st.booleans(),
+    strided=st.booleans(),
+    x_grad=st.booleans(),
+    w_frozen=st.booleans(),
+    b_frozen=st.booleans(),
+    hook=st.booleans(),
+    steps=st.integers(1, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
-        monkeypatch, bias, mixprec, w_first, b_first, strided, x_grad, w_frozen, b_frozen, hook,
-        steps, seed):
+    monkeypatch,
+    bias,
+    mixprec,
+    w_first,
+    b_first,
+    strided,
+    x_grad,
+    w_frozen,
+    b_frozen,
+    hook,
+    steps,
+    seed,
+):
     """Our linear's backward does its work on the short path (``linear._backward_fast``) exactly
     in the common case -- main_grad on every parameter that needs a gradient, contiguous or
     None, no user gradient hook -- and takes the general path in every other one; either way
@@ -369,10 +414,12 @@ def test_common_case_backward_is_taken_exactly_when_it_may_and_matches_paddle(
         for layer, fused, keep in ((ref, False, xs_ref), (ours, True, xs_ours)):
             keep.append(_squares_step(layer, data, fused, x_grad))
     needy = [p for p in ours.parameters() if not p.stop_gradient]
-    strided_mg = any(getattr(p, "main_grad", None) is not None
-                     and not p.main_grad.is_contiguous() for p in needy)
-    want_fast = (mixprec and not hook and len(needy) == len(list(ours.parameters()))
-                 and not strided_mg)
+    strided_mg = any(
+        getattr(p, "main_grad", None) is not None and not p.main_grad.is_contiguous() for p in needy
+    )
+    want_fast = (
+        mixprec and not hook and len(needy) == len(list(ours.parameters())) and not strided_mg
+    )
     assert taken == [want_fast] * steps
     for p, q in pairs:
         for attr in ("main_grad", "grad"):
@@ -414,12 +461,15 @@ def _spy_entry(monkeypatch, getter):
     return calls
 
 
-@pytest.mark.parametrize("dtype,x_grad,op", [
-    ("float32", True, "linear_bwd"),   # dx in the same call
-    ("float32", False, "wgrad_add"),   # no dx wanted
-    ("float64", True, "linear_bwd"),
-    ("float64", False, "wgrad_add"),
-])
+@pytest.mark.parametrize(
+    "dtype,x_grad,op",
+    [
+        ("float32", True, "linear_bwd"),  # dx in the same call
+        ("float32", False, "wgrad_add"),  # no dx wanted
+        ("float64", True, "linear_bwd"),
+        ("float64", False, "wgrad_add"),
+    ],
+)
 def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
     """A float32/float64 linear's common-case backward is ONE call from Python, into the op
     library's fast entry: dx too (``linear_bwd``, Paddle's matmul kernel inside); without an
@@ -441,7 +491,9 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
             for p in layer.parameters():
                 p.main_grad = None
     data = rs.standard_normal([3, 5]).astype(dtype)
-    xs = [_squares_step(layer, data, fused, x_grad) for layer, fused in ((ref, False), (ours, True))]
+    xs = [
+        _squares_step(layer, data, fused, x_grad) for layer, fused in ((ref, False), (ours, True))
+    ]
     assert calls == [(op, True)]
     for p, q in zip(ours.parameters(), ref.parameters()):
         np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5)
@@ -451,8 +503,9 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
 
 @pytest.mark.parametrize("gpu_tier", ["cuda", "paddle-fused", "python"])
 @pytest.mark.parametrize("x_grad", [True, False])
-def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypatch, gpu_tier,
-                                                                        x_grad):
+def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(
+    monkeypatch, gpu_tier, x_grad
+):
     """A CUDA linear's common-case backward, faked: the route calls the (CPU) tensors "gpu".
     With our CUDA op as the GPU tier (``ops.gpu_entry``), the backward is one call of the fast
     entry's weight-gradient kernel (CUDA's, on a GPU) and Paddle's matmul for dx -- no checks in
@@ -463,8 +516,11 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
 
     def route(*args):
         facts = real_route(*args)
-        return facts._replace(where="gpu") if isinstance(facts, _inputs.RouteFacts) and facts.where == "cpu" \
+        return (
+            facts._replace(where="gpu")
+            if isinstance(facts, _inputs.RouteFacts) and facts.where == "cpu"
             else facts
+        )
 
     monkeypatch.setattr(ops, "fast_route", route)
     calls, checked = _spy_entry(monkeypatch, "gpu_entry"), []
@@ -480,14 +536,16 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(monkeypa
     for _ in range(2):  # first micro-step (main_grad None), then accumulation
         data = rs.standard_normal([3, 5]).astype("float32")
         with ops.loader.settled(gpu=gpu_tier):
-            xs = [_squares_step(layer, data, fused, x_grad)
-                  for layer, fused in ((ref, False), (ours, True))]
+            xs = [
+                _squares_step(layer, data, fused, x_grad)
+                for layer, fused in ((ref, False), (ours, True))
+            ]
         for p, q in zip(ours.parameters(), ref.parameters()):
-            np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5,
-                                       atol=1e-5)
+            np.testing.assert_allclose(
+                p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5
+            )
         if x_grad:
-            np.testing.assert_allclose(xs[1].grad.numpy(), xs[0].grad.numpy(), rtol=1e-6,
-                                       atol=1e-6)
+            np.testing.assert_allclose(xs[1].grad.numpy(), xs[0].grad.numpy(), rtol=1e-6, atol=1e-6)
     if gpu_tier == "cuda":
         assert calls == [("wgrad_add", True)] * 2 and checked == []
     else:

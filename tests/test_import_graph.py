@@ -2,6 +2,7 @@
 level or inside a function) is an arrow.  The arrows must form no loop, and they must run one
 way through the wings (:data:`WINGS`, top to bottom): the doctor may import everything, the
 bottom modules nothing above them."""
+
 import ast
 import os
 
@@ -30,8 +31,9 @@ def _imports(path, name, modules):
                 mod = node.module or ""
             # `from pkg import sub` depends on pkg.sub alone (pkg/__init__ runs, but Python runs
             # it for any import of pkg.x); `from pkg import name` depends on pkg
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
-                       for a in node.names]
+            targets = [
+                f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names
+            ]
         else:
             continue
         for t in targets:
@@ -67,7 +69,7 @@ def _find_cycle(graph):
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state:
                 c = visit(d)
                 if c:
@@ -99,8 +101,18 @@ WINGS = (
     (6, "autograd", ("paddle_mgrad.autograd",)),
     (7, "ops", ("paddle_mgrad.ops",)),
     # what every wing uses; they import only each other (and the standard library / Paddle)
-    (8, "bottom", ("paddle_mgrad.registry", "paddle_mgrad.stats", "paddle_mgrad.errors",
-                   "paddle_mgrad._compat", "paddle_mgrad.env", "paddle_mgrad._cli")),
+    (
+        8,
+        "bottom",
+        (
+            "paddle_mgrad.registry",
+            "paddle_mgrad.stats",
+            "paddle_mgrad.errors",
+            "paddle_mgrad._compat",
+            "paddle_mgrad.env",
+            "paddle_mgrad._cli",
+        ),
+    ),
 )
 
 
@@ -134,7 +146,9 @@ def arrows_against_the_wings(graph, wings=WINGS):
 
 def test_imports_run_one_way_through_the_wings():
     graph = import_graph()
-    assert "paddle_mgrad.fleet.overlap_linear" in graph and "paddle_mgrad.diagnostics.doctor" in graph
+    assert (
+        "paddle_mgrad.fleet.overlap_linear" in graph and "paddle_mgrad.diagnostics.doctor" in graph
+    )
     assert "paddle_mgrad.linear" in graph["paddle_mgrad.fleet.overlap_linear"]  # edges are seen
     bad = arrows_against_the_wings(graph)
     assert not bad, "imports against the wing order:\n" + "\n".join(bad)
@@ -150,8 +164,12 @@ def test_wing_checker_finds_arrows_back_up_and_across():
     assert wing("p.a.x", wings) == (1, "a") and wing("p.stats", wings) == (2, "low")
     ok = {"p.top": {"p.a", "p.low"}, "p.a": {"p.a.x", "p.low"}, "p.a.x": set(), "p.low": set()}
     assert arrows_against_the_wings(ok, wings) == []
-    assert arrows_against_the_wings({"p.low": {"p.a"}}, wings) == ["p.low (low, rank 2) -> p.a (a, rank 1)"]
-    assert arrows_against_the_wings({"p.a": {"p.b"}}, wings) == ["p.a (a, rank 1) -> p.b (b, rank 1)"]
+    assert arrows_against_the_wings({"p.low": {"p.a"}}, wings) == [
+        "p.low (low, rank 2) -> p.a (a, rank 1)"
+    ]
+    assert arrows_against_the_wings({"p.a": {"p.b"}}, wings) == [
+        "p.a (a, rank 1) -> p.b (b, rank 1)"
+    ]
     assert arrows_against_the_wings({"q.x": set()}, wings) == ["q.x is in no wing: add it to WINGS"]
 
 
@@ -182,13 +200,25 @@ def _borrowed_private_names():
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            base = (
+                package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                if node.level
+                else []
+            )
+            mod = (
+                ".".join(base + ([node.module] if node.module else []))
+                if node.level
+                else node.module
+            )
             if mod not in files or wing(mod) == wing(name):
                 continue
-            out += [(name, mod, a.name) for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")
-                    and f"{mod}.{a.name}" not in files]
+            out += [
+                (name, mod, a.name)
+                for a in node.names
+                if a.name.startswith("_")
+                and not a.name.startswith("__")
+                and f"{mod}.{a.name}" not in files
+            ]
     return out
 
 

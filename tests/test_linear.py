@@ -1,4 +1,5 @@
 """FusedLinearWithGradAdd / fused_linear: main_grad accumulation under every recompute."""
+
 import numpy as np
 import paddle
 import pytest
@@ -31,8 +32,9 @@ def plain_forward(net, x):
 RECOMPUTES = {
     "none": None,
     "native_reentrant": lambda f, x: native_recompute(f, x, use_reentrant=True),
-    "native_non_reentrant": lambda f, x: native_recompute(f, x, use_reentrant=False,
-                                                         preserve_rng_state=False),
+    "native_non_reentrant": lambda f, x: native_recompute(
+        f, x, use_reentrant=False, preserve_rng_state=False
+    ),
     "ours_reentrant": lambda f, x: paddle_mgrad.recompute(f, x, use_reentrant=True),
     "ours_non_reentrant": lambda f, x: paddle_mgrad.recompute(f, x, use_reentrant=False),
 }
@@ -72,15 +74,16 @@ def test_main_grad_over_micro_batches(recompute, bias, shape3d):
         xt = paddle.to_tensor(x)
         xt.stop_gradient = False
         y = model(xt) if rc is None else rc(model, xt)
-        (y ** 2).sum().backward()
+        (y**2).sum().backward()
         assert all(v == step + 1 for v in fired.values()), fired  # once per backward
     assert stats.linear["backward"] - before == 2 * len(data)  # the fused path really ran
     for i, p in enumerate(net.parameters()):
         assert p.grad is None, f"{p.name}.grad must stay None under main_grad"
         assert p.main_grad is not None and p.main_grad.dtype == paddle.float32
         want = ref[p.name.split(".")[-1] + str(i)]
-        np.testing.assert_allclose(p.main_grad.numpy(), want, rtol=1e-5,
-                                   atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(
+            p.main_grad.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+        )
 
 
 def test_main_grad_allocated_on_real_parameter_and_reused_in_place():
@@ -144,8 +147,12 @@ def test_enable_routes_nn_linear_and_disable_restores():
         y.sum().backward()
         assert stats.linear["backward"] == before + 1
         assert lin.weight.grad is None
-        np.testing.assert_allclose(lin.weight.main_grad.numpy(),
-                                   x.numpy().T @ np.ones([3, 4], "float32"), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            lin.weight.main_grad.numpy(),
+            x.numpy().T @ np.ones([3, 4], "float32"),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     finally:
         paddle_mgrad.disable()
     assert paddle.nn.functional.linear.__code__ is orig
@@ -186,8 +193,9 @@ def test_pylayer_apply_directly():
     w.main_grad = None
     x = paddle.randn([2, 5])
     FusedLinearWithGradAdd.apply(x, w).sum().backward()
-    np.testing.assert_allclose(w.main_grad.numpy(), x.numpy().T @ np.ones([2, 3]), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        w.main_grad.numpy(), x.numpy().T @ np.ones([2, 3]), rtol=1e-5, atol=1e-5
+    )
     assert w.grad is None
 
 
@@ -204,8 +212,13 @@ def test_native_reentrant_with_parameter_arguments(steps):
         xs = [paddle.randn([5, 6]) for _ in range(steps)]
         for x in xs:
             x.stop_gradient = False
-            y = native_recompute(lambda a, w, b: paddle.tanh(paddle.nn.functional.linear(a, w, b)),
-                                 x, lin.weight, lin.bias, use_reentrant=True)
+            y = native_recompute(
+                lambda a, w, b: paddle.tanh(paddle.nn.functional.linear(a, w, b)),
+                x,
+                lin.weight,
+                lin.bias,
+                use_reentrant=True,
+            )
             y.sum().backward()
     finally:
         paddle_mgrad.disable()
@@ -236,21 +249,29 @@ def test_low_precision_grad_accumulators():
     from paddle_mgrad.linear import weight_and_bias_grads
 
     with paddle.no_grad():
-        out_w, out_b = weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"),
-                                             w, b, False)
-    want_w = x.astype("bfloat16").astype("float32").numpy().T @ dy.astype("bfloat16").astype("float32").numpy()
+        out_w, out_b = weight_and_bias_grads(
+            x.astype("bfloat16"), dy.astype("bfloat16"), w, b, False
+        )
+    want_w = (
+        x.astype("bfloat16").astype("float32").numpy().T
+        @ dy.astype("bfloat16").astype("float32").numpy()
+    )
     np.testing.assert_allclose(out_w.numpy(), want_w, rtol=1e-5, atol=1e-5)
     assert out_b.dtype == b.dtype
+
     # now with an existing bf16 .grad-like accumulator on the weight
     class P:  # a stand-in parameter whose .grad is bf16
         stop_gradient = False
         dtype = paddle.bfloat16
         name = "p"
         grad = paddle.zeros([5, 3]).astype("bfloat16")
+
     p = P()
     ptr = p.grad.data_ptr()
     with paddle.no_grad():
-        out_w, out_b = weight_and_bias_grads(x.astype("bfloat16"), dy.astype("bfloat16"), p, b, False)
+        out_w, out_b = weight_and_bias_grads(
+            x.astype("bfloat16"), dy.astype("bfloat16"), p, b, False
+        )
     assert out_w is None and p.grad.data_ptr() == ptr
     np.testing.assert_allclose(p.grad.astype("float32").numpy(), want_w, rtol=2e-2, atol=2e-2)
     assert out_b is not None and out_b.dtype == b.dtype
@@ -286,8 +307,9 @@ def test_incubate_transpose_weight_dx(bias, n):
     dy = 2 * y64
     np.testing.assert_allclose(y.numpy(), y64, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(x.grad.numpy(), dy @ w64, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(w.main_grad.numpy(), dy.reshape(-1, n).T @ x64.reshape(-1, 6),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        w.main_grad.numpy(), dy.reshape(-1, n).T @ x64.reshape(-1, 6), rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("which", ["weight", "bias"])
@@ -310,8 +332,10 @@ def test_non_fp32_main_grad_is_refused(which, when):
         with pytest.raises(FusedLinearError, match=pattern):
             fused_linear(x, w, b)
         return
-    for run_backward in (lambda y: y.sum().backward(),
-                         lambda y: paddle.autograd.backward([y.sum()])):
+    for run_backward in (
+        lambda y: y.sum().backward(),
+        lambda y: paddle.autograd.backward([y.sum()]),
+    ):
         y = fused_linear(x, w, b)
         p.main_grad = bad
         with pytest.raises(FusedLinearError, match=pattern) as info:
@@ -338,15 +362,24 @@ def test_main_grad_of_another_shape_set_after_forward():
 # (ops.acc_dtypes(dtype, multi_precision=False)) -- the input dtype or its multi-precision type,
 # which is float32 except for float64 inputs (float64, Paddle's MPTypeTrait<double>).
 _GRAD_CASES = [
-    ("float32", "float32", True), ("bfloat16", "bfloat16", True), ("bfloat16", "float32", True),
-    ("float16", "float16", True), ("float16", "float32", True), ("float64", "float64", True),
-    ("float32", "bfloat16", False), ("float32", "float64", False), ("bfloat16", "float16", False),
-    ("float16", "bfloat16", False), ("bfloat16", "float64", False), ("float64", "float32", False),
+    ("float32", "float32", True),
+    ("bfloat16", "bfloat16", True),
+    ("bfloat16", "float32", True),
+    ("float16", "float16", True),
+    ("float16", "float32", True),
+    ("float64", "float64", True),
+    ("float32", "bfloat16", False),
+    ("float32", "float64", False),
+    ("bfloat16", "float16", False),
+    ("float16", "bfloat16", False),
+    ("bfloat16", "float64", False),
+    ("float64", "float32", False),
 ]
 
 
-@pytest.mark.parametrize("x_dtype,grad_dtype,in_place", _GRAD_CASES,
-                         ids=[f"{a}-{b}" for a, b, _ in _GRAD_CASES])
+@pytest.mark.parametrize(
+    "x_dtype,grad_dtype,in_place", _GRAD_CASES, ids=[f"{a}-{b}" for a, b, _ in _GRAD_CASES]
+)
 def test_grad_accumulator_dtype_rule(x_dtype, grad_dtype, in_place):
     """Without main_grad, an existing .grad is accumulated in place (same data_ptr, beta = 1)
     when the op's accumulator rule allows its dtype; otherwise the gradient comes back fresh in
@@ -394,8 +427,11 @@ def _autocast_fake(orig):
     dtype differs from x's, as bf16 does on GPU) -- in plain Paddle the casts are recorded."""
 
     def linear(x, weight, bias=None, name=None):
-        return orig(x.astype("float64"), weight.astype("float64"),
-                    None if bias is None else bias.astype("float64"))
+        return orig(
+            x.astype("float64"),
+            weight.astype("float64"),
+            None if bias is None else bias.astype("float64"),
+        )
 
     return linear
 
@@ -495,7 +531,9 @@ def test_float64_parameter_main_grad_follows_the_accumulator_rule():
     np.testing.assert_allclose(w.main_grad.numpy(), pw.grad.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(b.main_grad.numpy(), pb.grad.numpy(), rtol=1e-12, atol=1e-12)
     w.main_grad = paddle.zeros([5, 3], "float32")
-    with pytest.raises(FusedLinearError, match=r"main_grad is paddle\.float32 \[5, 3\], expected float64"):
+    with pytest.raises(
+        FusedLinearError, match=r"main_grad is paddle\.float32 \[5, 3\], expected float64"
+    ):
         fused_linear(paddle.to_tensor(data[0]), w, b)
 
 
@@ -519,8 +557,11 @@ def test_shared_weight_after_clear_grad(set_to_zero, other_use):
             for step in range(3):
                 x = paddle.to_tensor(np.full([2, 4], step + 1.0, "float32"))
                 h = lin(x)
-                z = paddle.matmul(h, lin.weight) if other_use == "matmul" else \
-                    paddle.nn.functional.linear(paddle.tanh(h), lin.weight)
+                z = (
+                    paddle.matmul(h, lin.weight)
+                    if other_use == "matmul"
+                    else paddle.nn.functional.linear(paddle.tanh(h), lin.weight)
+                )
                 (z * z).sum().backward()
                 grads.append([p.grad.numpy() for p in lin.parameters()])
                 opt.clear_grad(set_to_zero=set_to_zero)
@@ -531,8 +572,9 @@ def test_shared_weight_after_clear_grad(set_to_zero, other_use):
     plain, ours = run(False), run(True)
     for step, (a, b) in enumerate(zip(ours, plain)):
         for ga, gb in zip(a, b):
-            np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-5 * np.abs(gb).max(),
-                                       err_msg=f"step {step}")
+            np.testing.assert_allclose(
+                ga, gb, rtol=1e-5, atol=1e-5 * np.abs(gb).max(), err_msg=f"step {step}"
+            )
 
 
 def test_the_replayed_linear_leaves_grad_mode_as_it_found_it():

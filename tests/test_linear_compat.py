@@ -9,6 +9,7 @@ the inputs Paddle's dispatcher takes or refuses (numpy, tuples, 1-D, broadcast
 biases, dtype mixes), and Paddle 2.6's ``recompute_sequential``, which hands the
 whole argument tuple to the first layer of the last segment.
 """
+
 import numpy as np
 import paddle
 import pytest
@@ -76,8 +77,15 @@ def _case(name):
     _wf, _bf = _param(W, grad=False), _param(B, grad=False)
     _w1, _w3 = _param(W[:, 0]), _param(np.stack([W, W * 2]))
     _b2, _b1, _bw = _param(B[None]), _param(B[:1]), _param(B[:3])
-    _x64, _w64, _b64 = _t(X, dtype="float64"), _param(W, dtype="float64"), _param(B, dtype="float64")
-    _xi, _xk = paddle.to_tensor(np.ones([3, 4], "int32")), _t(RS.standard_normal([3, 7]).astype("f4"))
+    _x64, _w64, _b64 = (
+        _t(X, dtype="float64"),
+        _param(W, dtype="float64"),
+        _param(B, dtype="float64"),
+    )
+    _xi, _xk = (
+        paddle.to_tensor(np.ones([3, 4], "int32")),
+        _t(RS.standard_normal([3, 7]).astype("f4")),
+    )
     _xz, _wz = _t(X[:, :2]), _t(np.zeros([2, 0], "float32"))
     _x0 = _t(np.zeros([0, 4], "float32"))
     paddle.seed(0)
@@ -87,21 +95,65 @@ def _case(name):
     return cases[name]()
 
 
-CASES = ["plain", "name_kw", "3d_x", "frozen_params", "tuple_x", "tuple2_x", "list_x", "numpy_x",
-         "numpy_w", "numpy_b", "1d_x", "1d_w", "3d_w", "bias_1xN", "bias_1", "bias_wrong_len",
-         "x_f64_w_f32", "x_f32_w_f64", "bias_f64", "f64_all", "int_x", "bad_k", "zero_size_w",
-         "zero_rows", "nn_linear_3d", "frozen_w_numpy_b", "frozen_w_grad_b", "no_grad_mode"]
+CASES = [
+    "plain",
+    "name_kw",
+    "3d_x",
+    "frozen_params",
+    "tuple_x",
+    "tuple2_x",
+    "list_x",
+    "numpy_x",
+    "numpy_w",
+    "numpy_b",
+    "1d_x",
+    "1d_w",
+    "3d_w",
+    "bias_1xN",
+    "bias_1",
+    "bias_wrong_len",
+    "x_f64_w_f32",
+    "x_f32_w_f64",
+    "bias_f64",
+    "f64_all",
+    "int_x",
+    "bad_k",
+    "zero_size_w",
+    "zero_rows",
+    "nn_linear_3d",
+    "frozen_w_numpy_b",
+    "frozen_w_grad_b",
+    "no_grad_mode",
+]
 # Cases that must run through the fused PyLayer, and cases that must be Paddle's own call
 # (nothing to accumulate, or inputs our backward does not take); the rest may go either way.
 OURS = {"plain", "name_kw", "3d_x", "nn_linear_3d", "frozen_w_grad_b"}
-PADDLES = {"frozen_params", "frozen_w_numpy_b", "numpy_b", "no_grad_mode", "bias_1xN",
-           "x_f64_w_f32", "bias_f64", "1d_x", "tuple_x"}
+PADDLES = {
+    "frozen_params",
+    "frozen_w_numpy_b",
+    "numpy_b",
+    "no_grad_mode",
+    "bias_1xN",
+    "x_f64_w_f32",
+    "bias_f64",
+    "1d_x",
+    "tuple_x",
+}
 # The cases unpatched Paddle refuses (a ValueError each), so that a case Paddle accepts cannot
 # pass as "both raise": it must compare values.  Paddle 2.6 takes a tuple input and refuses a
 # zero-size one; Paddle 3.3 the other way round.
-PADDLE_REFUSES = {"list_x", "numpy_x", "numpy_w", "numpy_b", "bias_wrong_len", "x_f64_w_f32",
-                  "x_f32_w_f64", "int_x", "bad_k", "frozen_w_numpy_b"} | (
-    {"zero_size_w", "zero_rows"} if PADDLE2 else {"tuple_x", "tuple2_x"})
+PADDLE_REFUSES = {
+    "list_x",
+    "numpy_x",
+    "numpy_w",
+    "numpy_b",
+    "bias_wrong_len",
+    "x_f64_w_f32",
+    "x_f32_w_f64",
+    "int_x",
+    "bad_k",
+    "frozen_w_numpy_b",
+} | ({"zero_size_w", "zero_rows"} if PADDLE2 else {"tuple_x", "tuple2_x"})
 
 
 def _no_grad(fn, *args):
@@ -119,8 +171,12 @@ def _run(name):
     except Exception as e:  # noqa: BLE001 - the type is what we compare
         return {"error": e}
     grads = [None if t.grad is None else t.grad.numpy() for t in tensors]
-    return {"y": y.numpy(), "dtype": y.dtype, "grads": grads,
-            "fused": stats.linear["forward"] - before}
+    return {
+        "y": y.numpy(),
+        "dtype": y.dtype,
+        "grads": grads,
+        "fused": stats.linear["forward"] - before,
+    }
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -168,9 +224,13 @@ class _Seq(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
         paddle.seed(12)
-        self.body = paddle.nn.Sequential(paddle.nn.Linear(6, 8), paddle.nn.Tanh(),
-                                         paddle.nn.Linear(8, 8), paddle.nn.Tanh(),
-                                         paddle.nn.Linear(8, 3))
+        self.body = paddle.nn.Sequential(
+            paddle.nn.Linear(6, 8),
+            paddle.nn.Tanh(),
+            paddle.nn.Linear(8, 8),
+            paddle.nn.Tanh(),
+            paddle.nn.Linear(8, 3),
+        )
 
 
 def _sequential_run(segments, enabled, main_grad, steps=2):
@@ -187,8 +247,9 @@ def _sequential_run(segments, enabled, main_grad, steps=2):
         for _ in range(steps):
             x = _t(rs.standard_normal([4, 6]).astype("float32"))
             if segments:
-                y = recompute_sequential({"segments": segments, "preserve_rng_state": False},
-                                         net.body, x)
+                y = recompute_sequential(
+                    {"segments": segments, "preserve_rng_state": False}, net.body, x
+                )
             else:
                 y = net.body(x)
             (y * y).sum().backward()
@@ -240,8 +301,11 @@ def test_incubate_fused_linear_same_as_paddle(transpose_weight, bias):
         except Exception as e:  # noqa: BLE001
             return {"error": e}
         ts = [x, w] + ([b] if b is not None else [])
-        return {"y": y.numpy(), "grads": [t.grad.numpy() for t in ts],
-                "fused": stats.linear["forward"] - before}
+        return {
+            "y": y.numpy(),
+            "grads": [t.grad.numpy() for t in ts],
+            "fused": stats.linear["forward"] - before,
+        }
 
     plain = run()
     paddle_mgrad.enable(recompute=False, fused_linear=True)
@@ -270,8 +334,11 @@ def test_incubate_fused_linear_same_as_paddle(transpose_weight, bias):
     dy = 2 * y64
     np.testing.assert_allclose(ours["y"], y64, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ours["grads"][0], dy @ w64.T, rtol=1e-5, atol=1e-5)
-    dw = dy.reshape(-1, 5).T @ x64.reshape(-1, 4) if transpose_weight else \
-        x64.reshape(-1, 4).T @ dy.reshape(-1, 5)
+    dw = (
+        dy.reshape(-1, 5).T @ x64.reshape(-1, 4)
+        if transpose_weight
+        else x64.reshape(-1, 4).T @ dy.reshape(-1, 5)
+    )
     np.testing.assert_allclose(ours["grads"][1], dw, rtol=1e-5, atol=1e-5)
     if bias == "1d":
         np.testing.assert_allclose(ours["grads"][2], dy.reshape(-1, 5).sum(0), rtol=1e-5, atol=1e-5)

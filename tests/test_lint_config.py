@@ -1,5 +1,6 @@
 """The pre-commit hooks and ``nox -s lint`` (what CI runs first) check the same things with the
 same tools: a hook that drifts from the noxfile would let a commit pass that CI refuses."""
+
 import ast
 import os
 import re
@@ -9,8 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _noxfile_pins():
     tree = ast.parse(open(os.path.join(ROOT, "noxfile.py"), encoding="utf-8").read())
-    return {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-            for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
+    return {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)
+    }
 
 
 def _hook_pins():
@@ -27,8 +33,11 @@ def test_hooks_use_the_noxfile_pins():
 def test_hooks_run_what_lint_runs():
     _, text = _hook_pins()
     lint = open(os.path.join(ROOT, "noxfile.py"), encoding="utf-8").read()
-    lint = lint[lint.index("def lint("):lint.index("def format_tree(")]
-    for hook, nox_call in (("ruff check", '"ruff", "check"'), ("ruff format", '"ruff", "format", "--check"'),
-                           ("clang-format", '"clang-format", "--dry-run", "--Werror"')):
+    lint = lint[lint.index("def lint(") : lint.index("def format_tree(")]
+    for hook, nox_call in (
+        ("ruff check", '"ruff", "check"'),
+        ("ruff format", '"ruff", "format", "--check"'),
+        ("clang-format", '"clang-format", "--dry-run", "--Werror"'),
+    ):
         assert f"entry: {hook}" in text, hook
         assert nox_call in lint, nox_call

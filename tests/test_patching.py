@@ -1,4 +1,5 @@
 """enable()/disable(): reach code that imported Paddle's names earlier; restore exactly."""
+
 import importlib
 
 import paddle
@@ -46,13 +47,21 @@ def test_enable_reaches_early_aliases_and_disable_restores():
 def test_disable_removes_everything_recompute_installed():
     from paddle.autograd.py_layer import PyLayerContext
 
-    orig = (paddle.Tensor.backward, paddle.autograd.backward,
-            PyLayerContext.save_for_backward, PyLayerContext.saved_tensor)
+    orig = (
+        paddle.Tensor.backward,
+        paddle.autograd.backward,
+        PyLayerContext.save_for_backward,
+        PyLayerContext.saved_tensor,
+    )
     _run(paddle_mgrad.recompute)  # installs the error-translating wrappers (+ 2.6 shim)
     assert paddle.Tensor.backward is not orig[0]
     paddle_mgrad.disable()
-    assert (paddle.Tensor.backward, paddle.autograd.backward,
-            PyLayerContext.save_for_backward, PyLayerContext.saved_tensor) == orig
+    assert (
+        paddle.Tensor.backward,
+        paddle.autograd.backward,
+        PyLayerContext.save_for_backward,
+        PyLayerContext.saved_tensor,
+    ) == orig
 
 
 def test_enable_false_switches_feature_off():

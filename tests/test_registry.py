@@ -1,4 +1,5 @@
 """The registry of replacements: every entry installs, and disable() restores each original by identity."""
+
 import paddle
 
 import paddle_mgrad
@@ -10,15 +11,29 @@ from paddle_mgrad import registry
 # target vanishes from a new Paddle release would be skipped silently by the registry, and must
 # fail here instead.
 INSTALLED_ON_EVERY_PADDLE = {
-    "recompute", "recompute_hybrid", "linear", "incubate_fused_linear", "InnerOverlapLinear",
-    "varbase_help", "Tensor.backward", "Tensor.register_hook", "autograd.backward", "grad",
-    "PyLayerContext.save_for_backward", "PyLayerContext.saved_tensor",
+    "recompute",
+    "recompute_hybrid",
+    "linear",
+    "incubate_fused_linear",
+    "InnerOverlapLinear",
+    "varbase_help",
+    "Tensor.backward",
+    "Tensor.register_hook",
+    "autograd.backward",
+    "grad",
+    "PyLayerContext.save_for_backward",
+    "PyLayerContext.saved_tensor",
     "_C_ops.fused_linear_param_grad_add",
 }
-INSTALLED = INSTALLED_ON_EVERY_PADDLE if PADDLE2 else INSTALLED_ON_EVERY_PADDLE | {
-    "SPInnerOverlapLinear",  # paddle.distributed.fleet.utils.sequence_parallel_utils, 3.x only
-    "zero_bubble_grad_weight_fn",  # fleet.meta_parallel.zero_bubble_utils, 3.x only
-}
+INSTALLED = (
+    INSTALLED_ON_EVERY_PADDLE
+    if PADDLE2
+    else INSTALLED_ON_EVERY_PADDLE
+    | {
+        "SPInnerOverlapLinear",  # paddle.distributed.fleet.utils.sequence_parallel_utils, 3.x only
+        "zero_bubble_grad_weight_fn",  # fleet.meta_parallel.zero_bubble_utils, 3.x only
+    }
+)
 
 
 def _identity(rep):
@@ -58,8 +73,9 @@ def test_enable_then_disable_restores_every_original_by_identity():
     installed = set(registry.installed_keys())
     assert installed == INSTALLED, (sorted(INSTALLED - installed), sorted(installed - INSTALLED))
     # and the registry installs exactly the entries whose target this Paddle has
-    assert installed == {r.key for r in registry.REPLACEMENTS
-                         if (before[r.key] is not None or r.create) and r.when()}
+    assert installed == {
+        r.key for r in registry.REPLACEMENTS if (before[r.key] is not None or r.create) and r.when()
+    }
     for r in registry.REPLACEMENTS:
         if r.key in installed:
             assert _identity(r) != before[r.key], f"{r.key} was not replaced"

@@ -1,6 +1,7 @@
 """tests/script_runs.py's one retry: only a rank lost to SIGABRT after training completed on
 every rank (Paddle 3.3.1's exit-time abort of 2-rank gloo runs), or a gloo rendezvous refused
 before training (a port race between concurrent launches), is repeated, once."""
+
 import pytest
 
 from script_runs import launch, script_env
@@ -36,8 +37,9 @@ def _run(tmp_path, mode):
     script = tmp_path / "fake_train.py"
     script.write_text(SCRIPT)
     out_dir = tmp_path / "out"
-    return launch([str(script), mode, str(tmp_path / "aborted-once")], out_dir, 2,
-                  script_env(), 300, tmp_path), out_dir
+    return launch(
+        [str(script), mode, str(tmp_path / "aborted-once")], out_dir, 2, script_env(), 300, tmp_path
+    ), out_dir
 
 
 def test_abort_after_training_is_repeated_once(tmp_path):
@@ -50,12 +52,22 @@ def test_abort_after_training_is_repeated_once(tmp_path):
 def test_a_refused_rendezvous_is_repeated_once(tmp_path):
     (rc, out), out_dir = _run(tmp_path, "refused_once")
     assert rc == 0, out[:1500] + "\n...\n" + out[-3000:]
-    assert out.startswith("--- NOTE: the first launch had a rank's gloo rendezvous refused"), out[:300]
+    assert out.startswith("--- NOTE: the first launch had a rank's gloo rendezvous refused"), out[
+        :300
+    ]
     assert "Connection refused" in (tmp_path / "out.refused" / "log" / "workerlog.0").read_text()
 
 
-@pytest.mark.parametrize("mode", ["always", "crash_in_training", "abort_in_training",
-                                  "refused_always", "refused_after_training"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "always",
+        "crash_in_training",
+        "abort_in_training",
+        "refused_always",
+        "refused_after_training",
+    ],
+)
 def test_other_failures_are_returned(tmp_path, mode):
     (rc, out), out_dir = _run(tmp_path, mode)
     assert rc != 0

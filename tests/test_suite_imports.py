@@ -2,6 +2,7 @@
 ``conftest.py`` under the one name ``conftest`` (tests/ has no packages), so ``from conftest
 import X`` gets whichever conftest was loaded last -- tests/nlp's shadows tests/' in a plain
 ``pytest`` run.  Names test modules share live in helpers.py."""
+
 import ast
 import os
 
@@ -37,18 +38,24 @@ def _python_files(root):
 def test_no_file_under_tests_imports_a_conftest():
     files = list(_python_files(TESTS))
     assert os.path.join(TESTS, "conftest.py") in files and len(files) > 50  # the scan saw the tree
-    offenders = [f"{os.path.relpath(path, TESTS)}:{line}: {stmt}"
-                 for path in files for line, stmt in conftest_imports(path)]
+    offenders = [
+        f"{os.path.relpath(path, TESTS)}:{line}: {stmt}"
+        for path in files
+        for line, stmt in conftest_imports(path)
+    ]
     assert not offenders, "import from helpers.py instead:\n" + "\n".join(offenders)
 
 
 def test_scan_finds_every_form_of_conftest_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\nfrom conftest import PADDLE2\n\n\ndef f():\n"
-                   "    import conftest\n    from conftest import (ROOT,\n        TESTS)\n"
-                   "import conftest as c, sys\n")
+    bad.write_text(
+        "import os\nfrom conftest import PADDLE2\n\n\ndef f():\n"
+        "    import conftest\n    from conftest import (ROOT,\n        TESTS)\n"
+        "import conftest as c, sys\n"
+    )
     assert [line for line, _ in conftest_imports(str(bad))] == [2, 6, 7, 9]
     good = tmp_path / "good.py"
-    good.write_text("from helpers import PADDLE2\nimport conftest_like\n"
-                    "x = 'from conftest import PADDLE2'\n")
+    good.write_text(
+        "from helpers import PADDLE2\nimport conftest_like\nx = 'from conftest import PADDLE2'\n"
+    )
     assert conftest_imports(str(good)) == []

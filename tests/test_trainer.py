@@ -1,4 +1,5 @@
 """paddle_mgrad.trainer without PaddleNLP: flag validation, enable, the main_grad audit."""
+
 from types import SimpleNamespace
 
 import paddle
@@ -32,22 +33,35 @@ def test_expected_backend_follows_paddle_and_the_variables():
     assert expected_cpu_backend({"PADDLE_MGRAD_NO_ONEDNN": "1"}) == "cpp-portable"
     assert expected_cpu_backend({"PADDLE_MGRAD_NO_ONEDNN": "0"}) == expected_cpu_backend({})
     assert expected_cpu_backend({"PADDLE_MGRAD_OPS": "python"}) == "python"
-    assert [cpu_backend(b) for b in ("cpp-onednn", "cpp-onednn+cuda", "cpp-portable;gpu=python",
-                                     "python;gpu=python")] == \
-        ["cpp-onednn", "cpp-onednn", "cpp-portable", "python"]
+    assert [
+        cpu_backend(b)
+        for b in ("cpp-onednn", "cpp-onednn+cuda", "cpp-portable;gpu=python", "python;gpu=python")
+    ] == ["cpp-onednn", "cpp-onednn", "cpp-portable", "python"]
 
 
 def test_apply_respects_switches():
     info = T.apply(targs(recompute=False), T.MgradArguments(), argv=[])
     assert info == {"recompute": False, "fused_linear": False}
-    assert T.apply(targs(), T.MgradArguments(mgrad_fix_recompute=False), argv=[])["recompute"] is False
-    assert T.apply(targs(recompute=False), T.MgradArguments(mgrad_fix_recompute=True),
-                   argv=[])["recompute"] is True
+    assert (
+        T.apply(targs(), T.MgradArguments(mgrad_fix_recompute=False), argv=[])["recompute"] is False
+    )
+    assert (
+        T.apply(targs(recompute=False), T.MgradArguments(mgrad_fix_recompute=True), argv=[])[
+            "recompute"
+        ]
+        is True
+    )
 
 
-@pytest.mark.parametrize("argv", [["--amp_master_grad"], ["--amp_master_grad", "true"],
-                                  ["--amp_master_grad=1"],
-                                  ["--amp_master_grad", "false", "--amp_master_grad", "true"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--amp_master_grad"],
+        ["--amp_master_grad", "true"],
+        ["--amp_master_grad=1"],
+        ["--amp_master_grad", "false", "--amp_master_grad", "true"],
+    ],
+)
 def test_amp_master_grad_without_amp_is_refused(argv):
     with pytest.raises(paddle_mgrad.FlagError) as e:
         T.apply(targs(bf16=False, amp_master_grad=False), T.MgradArguments(), argv=argv)
@@ -55,8 +69,11 @@ def test_amp_master_grad_without_amp_is_refused(argv):
 
 
 def test_amp_master_grad_false_last_is_fine():
-    T.apply(targs(bf16=False, amp_master_grad=False), T.MgradArguments(),
-            argv=["--amp_master_grad", "true", "--amp_master_grad", "false"])
+    T.apply(
+        targs(bf16=False, amp_master_grad=False),
+        T.MgradArguments(),
+        argv=["--amp_master_grad", "true", "--amp_master_grad", "false"],
+    )
 
 
 def test_amp_master_grad_needs_o2():
@@ -88,8 +105,9 @@ def test_gpu_with_paddles_fused_op_is_accepted_and_logged(monkeypatch, capsys):
 
 def test_audit_counts_main_grad_and_fused_params():
     T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True), argv=[])
-    net = paddle.nn.Sequential(paddle.nn.Embedding(10, 8), paddle.nn.Linear(8, 8),
-                               paddle.nn.LayerNorm(8))
+    net = paddle.nn.Sequential(
+        paddle.nn.Embedding(10, 8), paddle.nn.Linear(8, 8), paddle.nn.LayerNorm(8)
+    )
     MixPrecisionLayer(net, dtype="bfloat16")
     audit = MainGradAudit(net)
     for _ in range(2):
@@ -124,8 +142,12 @@ def test_apply_takes_the_fused_flag_from_whichever_args_object_has_it():
     other = SimpleNamespace(enable_linear_fused_grad_add=True)
     assert T.apply(targs(), T.MgradArguments(), other, argv=[])["fused_linear"] is True
     paddle_mgrad.disable()
-    assert T.apply(targs(enable_linear_fused_grad_add=False), T.MgradArguments(),
-                   argv=[])["fused_linear"] is False
+    assert (
+        T.apply(targs(enable_linear_fused_grad_add=False), T.MgradArguments(), argv=[])[
+            "fused_linear"
+        ]
+        is False
+    )
 
 
 def test_mgrad_arguments_for_drops_the_fields_others_define():
@@ -157,14 +179,20 @@ def test_recompute_policy_flag_reaches_every_recompute_call(monkeypatch, capsys)
     # records the original state, absent included, and delenv then clears it for the test)
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "full")
     monkeypatch.delenv("PADDLE_MGRAD_RECOMPUTE_POLICY")
-    with pytest.raises(T.FlagError, match=r"--recompute_policy: unknown recompute policy; "
-                                          r"accepted: full, gemm"):
+    with pytest.raises(
+        T.FlagError,
+        match=r"--recompute_policy: unknown recompute policy; "
+        r"accepted: full, gemm",
+    ):
         T.apply(targs(), T.MgradArguments(recompute_policy="gemms"), argv=[])
     with pytest.raises(T.FlagError, match="needs paddle_mgrad's recompute"):
         T.apply(targs(recompute=False), T.MgradArguments(recompute_policy="gemm"), argv=[])
     assert "PADDLE_MGRAD_RECOMPUTE_POLICY" not in __import__("os").environ
-    info = T.apply(targs(), T.MgradArguments(enable_linear_fused_grad_add=True,
-                                             recompute_policy="GEMM"), argv=[])
+    info = T.apply(
+        targs(),
+        T.MgradArguments(enable_linear_fused_grad_add=True, recompute_policy="GEMM"),
+        argv=[],
+    )
     assert info["recompute_policy"] == "gemm"
     assert "(recompute policy: gemm)" in capsys.readouterr().err
     stats.reset()

@@ -12,6 +12,7 @@ weight saved with ``ctx.save_for_backward`` came back in backward as ``<name>cpy
 ``weight.main_grad`` when the attribute exists (assignment form, so that the
 first micro-step with ``main_grad is None`` works) and record what backward saw.
 """
+
 import paddle
 from paddle.autograd import PyLayer
 
@@ -25,8 +26,14 @@ def _wgrad(x, dy):
 
 
 def _backward(weight, x, bias, dy):
-    SEEN.append((id(weight), hasattr(weight, "main_grad"), weight.name,
-                 getattr(weight, "sequence_parallel", None)))
+    SEEN.append(
+        (
+            id(weight),
+            hasattr(weight, "main_grad"),
+            weight.name,
+            getattr(weight, "sequence_parallel", None),
+        )
+    )
     dx = paddle.matmul(dy, weight, transpose_y=True)
     dw = _wgrad(x, dy)
     if hasattr(weight, "main_grad"):

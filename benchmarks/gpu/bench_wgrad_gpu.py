@@ -39,6 +39,7 @@ each a row of the one table it prints (and JSON under ``$OUT`` or ``--out``):
 
 The modules are in pmg_gpu_bench/ (build, capi, shapes, checks, timing, sanitizer, report).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,21 +98,37 @@ from pmg_gpu_bench.shapes import (  # noqa: E402,F401
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="nvcc-compile the CUDA core and C API, link and load (no GPU needed; CI)")
-    ap.add_argument("--simulate-cpu", action="store_true",
-                    help="run the GPU checks' logic on the CPU core with CPU torch (tiny shapes)")
-    ap.add_argument("--paddle-include", default=None,
-                    help="with --compile-only: also syntax-check the Paddle binding's CUDA branch")
-    ap.add_argument("--cpu-core", action="store_true",
-                    help="build/check the CPU core only (no CUDA, no torch needed)")
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="nvcc-compile the CUDA core and C API, link and load (no GPU needed; CI)",
+    )
+    ap.add_argument(
+        "--simulate-cpu",
+        action="store_true",
+        help="run the GPU checks' logic on the CPU core with CPU torch (tiny shapes)",
+    )
+    ap.add_argument(
+        "--paddle-include",
+        default=None,
+        help="with --compile-only: also syntax-check the Paddle binding's CUDA branch",
+    )
+    ap.add_argument(
+        "--cpu-core",
+        action="store_true",
+        help="build/check the CPU core only (no CUDA, no torch needed)",
+    )
     ap.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     ap.add_argument("--shapes", default=None, help="benchmark shapes T:K:N,T:K:N")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
     ap.add_argument("--build-dir", default=None)
     ap.add_argument("--no-sanitizer", action="store_true", help="skip the compute-sanitizer row")
-    ap.add_argument("--budget", type=float, default=285.0,
-                    help="seconds for the whole run; the sanitizer gets what is left (>= 60)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=285.0,
+        help="seconds for the whole run; the sanitizer gets what is left (>= 60)",
+    )
     # internal: the child that compute-sanitizer runs
     ap.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--lib", default=None, help=argparse.SUPPRESS)
@@ -127,14 +144,18 @@ def parse_args(argv=None):
     return args
 
 
-
 def gpu_main(args):
     import torch
 
     t_start = time.time()
     sim = args.simulate_cpu
-    report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "checks": [],
-              "bench": [], "targets": {"ours_vs_gemm": TARGET_VS_GEMM, "bias_vs_ours": TARGET_BIAS}}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "checks": [],
+        "bench": [],
+        "targets": {"ours_vs_gemm": TARGET_VS_GEMM, "bias_vs_ours": TARGET_BIAS},
+    }
     build_dir = args.build_dir or os.path.join(args.out, "build")
     t0 = time.time()
     if sim:
@@ -152,8 +173,17 @@ def gpu_main(args):
     report["targets_built"] = targets
     bench = Bench(args, torch, core, sim, report)
     bench.add("build", f"targets {targets}", True, f"{time.time() - t0:.1f} s")
-    for item in ("values", "offsets", "bias", "streams", "graph", "capability", "checks",
-                 "bias_order", "pressure"):
+    for item in (
+        "values",
+        "offsets",
+        "bias",
+        "streams",
+        "graph",
+        "capability",
+        "checks",
+        "bias_order",
+        "pressure",
+    ):
         try:
             getattr(bench, item)()
         except Exception as e:  # noqa: BLE001  (one item's crash is its row, the rest still run)
@@ -188,7 +218,9 @@ def main(argv=None):
             check_paddle_binding(args.paddle_include, sysconfig.get_paths()["include"])
         return 0
     if args.cpu_core:
-        core = Core(build(args.build_dir or os.path.join(args.out, "build"), cuda=False), cuda=False)
+        core = Core(
+            build(args.build_dir or os.path.join(args.out, "build"), cuda=False), cuda=False
+        )
         res = check_cpu_core(core)
         report = {"cpu_core": res, "backend": core.lib.pmg_cpu_gemm_backend().decode()}
         print(json.dumps(report))
@@ -197,8 +229,9 @@ def main(argv=None):
         report = gpu_main(args)
         ok = all(c["ok"] is not False for c in report["checks"])
         print_table(report)
-    with open(os.path.join(args.out, "gpu_wgrad.json" if not args.cpu_core else "cpu_core.json"),
-              "w") as f:
+    with open(
+        os.path.join(args.out, "gpu_wgrad.json" if not args.cpu_core else "cpu_core.json"), "w"
+    ) as f:
         json.dump(report, f, indent=1)
     return 0 if ok else 1
 

@@ -1,4 +1,5 @@
 """Byte-level tokenizer and fixed-length language-modelling dataset (no downloads)."""
+
 import numpy as np
 import paddle
 
@@ -37,5 +38,5 @@ class BlockDataset(paddle.io.Dataset):
         return self.n
 
     def __getitem__(self, i):
-        block = self.ids[i * self.seq_length: (i + 1) * self.seq_length + 1]
+        block = self.ids[i * self.seq_length : (i + 1) * self.seq_length + 1]
         return {"input_ids": block[:-1], "labels": block[1:]}

@@ -14,6 +14,7 @@ examples/llama/run_pretrain.py ...``.  Resume: ``--resume_from_checkpoint
 output/llama_cpu/checkpoint-20``.  On CPU, AMP is a no-op (Paddle has no CPU
 bf16 matmul) but the main_grad path is active; on a GPU it trains in bf16.
 """
+
 import json
 import os
 import sys
@@ -36,9 +37,12 @@ from tokens_per_second import tokens_per_second_callback  # noqa: E402
 
 @dataclass
 class ModelArguments:
-    model_config: str = field(default=os.path.join(HERE, "tiny_llama.json"),
-                              metadata={"help": "LlamaConfig JSON file"})
-    recompute_granularity: str = field(default="full", metadata={"help": "full | full_attn | core_attn"})
+    model_config: str = field(
+        default=os.path.join(HERE, "tiny_llama.json"), metadata={"help": "LlamaConfig JSON file"}
+    )
+    recompute_granularity: str = field(
+        default="full", metadata={"help": "full | full_attn | core_attn"}
+    )
     recompute_use_reentrant: bool = field(default=False, metadata={"help": "reentrant recompute"})
 
 
@@ -80,9 +84,13 @@ def make_trainer_class():
 
         def _get_train_sampler(self):
             return DistributedBatchSampler(
-                self.train_dataset, batch_size=self.args.per_device_train_batch_size,
-                shuffle=False, num_replicas=max(1, self.args.dataset_world_size),
-                rank=max(0, self.args.dataset_rank), drop_last=self.args.dataloader_drop_last)
+                self.train_dataset,
+                batch_size=self.args.per_device_train_batch_size,
+                shuffle=False,
+                num_replicas=max(1, self.args.dataset_world_size),
+                rank=max(0, self.args.dataset_rank),
+                drop_last=self.args.dataloader_drop_last,
+            )
 
     return PretrainTrainer
 
@@ -110,11 +118,16 @@ def main(argv=None):
     model = LlamaForCausalLM(config)
 
     dataset = BlockDataset(data_args.data_file, data_args.seq_length, tokenizer)
-    tokens_per_step = (data_args.seq_length * training_args.per_device_train_batch_size
-                       * training_args.gradient_accumulation_steps * max(1, training_args.world_size))
+    tokens_per_step = (
+        data_args.seq_length
+        * training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * max(1, training_args.world_size)
+    )
     speed = tokens_per_second_callback(tokens_per_step)
-    trainer = make_trainer_class()(model=model, args=training_args, train_dataset=dataset,
-                                   callbacks=[speed])
+    trainer = make_trainer_class()(
+        model=model, args=training_args, train_dataset=dataset, callbacks=[speed]
+    )
     audit = MainGradAudit(model) if mgrad_args.mgrad_audit else None
 
     before = dict(stats.recompute)
@@ -124,9 +137,12 @@ def main(argv=None):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     tps = speed.history[1:] or speed.history
     summary = {
-        "paddle": paddle.__version__, "paddle_mgrad": paddle_mgrad.__version__,
-        "enabled": enabled, "world_size": training_args.world_size,
-        "global_step": trainer.state.global_step, "train_loss": result.training_loss,
+        "paddle": paddle.__version__,
+        "paddle_mgrad": paddle_mgrad.__version__,
+        "enabled": enabled,
+        "world_size": training_args.world_size,
+        "global_step": trainer.state.global_step,
+        "train_loss": result.training_loss,
         "logged_losses": losses,
         "tokens_per_second": round(sum(tps) / max(len(tps), 1), 1),
         "recompute_calls": {k: stats.recompute[k] - before[k] for k in before},
@@ -137,12 +153,16 @@ def main(argv=None):
         if training_args.process_index == 0:
             print(audit.report())
     if training_args.process_index == 0:
-        print(f"tokens/s: {summary['tokens_per_second']} "
-              f"(seq {data_args.seq_length} x batch {training_args.per_device_train_batch_size} x "
-              f"accum {training_args.gradient_accumulation_steps} x world {training_args.world_size})")
+        print(
+            f"tokens/s: {summary['tokens_per_second']} "
+            f"(seq {data_args.seq_length} x batch {training_args.per_device_train_batch_size} x "
+            f"accum {training_args.gradient_accumulation_steps} x world {training_args.world_size})"
+        )
         with open(os.path.join(training_args.output_dir, "mgrad_summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
-        print("summary:", json.dumps({k: v for k, v in summary.items() if k != "audit"}, default=str))
+        print(
+            "summary:", json.dumps({k: v for k, v in summary.items() if k != "audit"}, default=str)
+        )
     if training_args.world_size > 1:
         # Everything is saved and printed.  Leave together and skip interpreter teardown:
         # Paddle's CPU (gloo) process group intermittently aborts while being destroyed

@@ -1,4 +1,5 @@
 """A PaddleNLP ``TrainerCallback`` that logs tokens/s (this example's own measurement)."""
+
 import time
 
 

@@ -25,6 +25,7 @@ The wrappers are pass-throughs otherwise; they are registry entries
 installed by the first recompute call or fused-linear forward and removed by
 :func:`paddle_mgrad.disable`.
 """
+
 from __future__ import annotations
 
 import functools

@@ -17,6 +17,7 @@ through the private ``Tensor._register_grad_hook`` are not counted -- that is ho
 Hooks registered before the wrapper was installed (before ``paddle_mgrad.enable``) are
 not seen.
 """
+
 from __future__ import annotations
 
 import functools

@@ -46,6 +46,7 @@ fused linear per step: forwards ask it only once the process has run a ``paddle.
 before that a pass finds the address through a living output or by the node's edges
 (:meth:`FunctionalPass.slots`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -80,7 +81,8 @@ def _reuse_message(layer):
         "no PyLayer, would accumulate the gradient again). Run the forward again before each "
         "backward(), use paddle.grad(...) for the earlier passes (it runs a copy of the "
         "graph), or switch the fused linear off for this model: "
-        "paddle_mgrad.enable(fused_linear=False).")
+        "paddle_mgrad.enable(fused_linear=False)."
+    )
 
 
 class NodeGuard:
@@ -217,8 +219,15 @@ class FunctionalPass:
     stop-gradient for this pass; so is an edge to a ``no_grad_vars`` tensor's node.
     """
 
-    __slots__ = ("_outputs", "_inputs", "_no_grad_vars", "_edges", "_needed", "_no_grad",
-                 "_pylayers")
+    __slots__ = (
+        "_outputs",
+        "_inputs",
+        "_no_grad_vars",
+        "_edges",
+        "_needed",
+        "_no_grad",
+        "_pylayers",
+    )
 
     def __init__(self, outputs, inputs, no_grad_vars=None):
         self._outputs = _tensor_list(outputs)
@@ -286,8 +295,11 @@ class FunctionalPass:
         want = tuple(want)
         found = [p for p in self._pylayers if self._edges[p] == want]
         if not found:
-            found = [p for p in self._pylayers
-                     if len(self._edges[p]) == len(want) and self._edges[p][1:] == want[1:]]
+            found = [
+                p
+                for p in self._pylayers
+                if len(self._edges[p]) == len(want) and self._edges[p][1:] == want[1:]
+            ]
         return found[0] if len(found) == 1 else None
 
     def slots(self, guard, n, inputs=None):
@@ -311,15 +323,25 @@ class FunctionalPass:
             raise FusedLinearError(
                 "paddle_mgrad: paddle.grad reached one of our PyLayer nodes that it cannot "
                 f"identify ({getattr(guard, 'layer', '?')}); please report this with the code "
-                "that builds the graph")
+                "that builds the graph"
+            )
         if n == 1:  # Paddle prunes only nodes with more than one slot
             return (nxt[0] is not None and nxt[0] not in self._no_grad,)
         return tuple(q is not None and q in self._needed and q not in self._no_grad for q in nxt)
 
 
-def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
-         only_inputs=True, allow_unused=False, no_grad_vars=None, *,
-         dump_backward_graph_path=None):
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph=None,
+    create_graph=False,
+    only_inputs=True,
+    allow_unused=False,
+    no_grad_vars=None,
+    *,
+    dump_backward_graph_path=None,
+):
     """``paddle.grad`` run as a functional pass (module doc), same arguments and result."""
     kwargs = {}
     if dump_backward_graph_path is not None:  # Paddle 3.x only
@@ -332,16 +354,45 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
         fpass.check_not_consumed(live)
     return backward_errors.run(
         registry.original("grad"),
-        (outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs, allow_unused,
-         no_grad_vars), kwargs, fpass)
+        (
+            outputs,
+            inputs,
+            grad_outputs,
+            retain_graph,
+            create_graph,
+            only_inputs,
+            allow_unused,
+            no_grad_vars,
+        ),
+        kwargs,
+        fpass,
+    )
 
 
 # Trampoline: its code replaces the code of the function paddle.grad wraps (registry entry
 # "grad"); it runs in Paddle's module globals, hence the import inside.
-def _paddle_grad_trampoline(outputs, inputs, grad_outputs=None, retain_graph=None,
-                            create_graph=False, only_inputs=True, allow_unused=False,
-                            no_grad_vars=None, *, dump_backward_graph_path=None):
+def _paddle_grad_trampoline(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph=None,
+    create_graph=False,
+    only_inputs=True,
+    allow_unused=False,
+    no_grad_vars=None,
+    *,
+    dump_backward_graph_path=None,
+):
     import paddle_mgrad.autograd.passes as _m
 
-    return _m.grad(outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
-                   allow_unused, no_grad_vars, dump_backward_graph_path=dump_backward_graph_path)
+    return _m.grad(
+        outputs,
+        inputs,
+        grad_outputs,
+        retain_graph,
+        create_graph,
+        only_inputs,
+        allow_unused,
+        no_grad_vars,
+        dump_backward_graph_path=dump_backward_graph_path,
+    )

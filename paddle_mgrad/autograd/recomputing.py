@@ -19,6 +19,7 @@ the same code on the same values; the determinism check covers what is recompute
 
 Here, below both, so that neither imports the other (tests/test_import_graph.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -94,8 +95,9 @@ class KeptOutputs:
         if not self.wants(x, weight, y):
             self.entries.append(None)
             return
-        self.entries.append((y.detach(), y._inplace_version(), y.stop_gradient,
-                             list(weight.shape), list(x.shape)))
+        self.entries.append(
+            (y.detach(), y._inplace_version(), y.stop_gradient, list(weight.shape), list(x.shape))
+        )
 
     def forward_done(self):
         """Drop what changed in place during the forward; count the bytes kept."""
@@ -135,8 +137,11 @@ class KeptOutputs:
         t, version, stop_gradient, w_shape, x_shape = entry
         # (a replay that diverged from the forward: compute, and let the determinism check
         # speak about what was recomputed)
-        if not self.unchanged(t, version) or list(x.shape) != x_shape or \
-                list(weight.shape) != w_shape:
+        if (
+            not self.unchanged(t, version)
+            or list(x.shape) != x_shape
+            or list(weight.shape) != w_shape
+        ):
             return None
         self.skipped += 1
         self.skipped_flops += 2 * math.prod(t.shape) * x_shape[-1]

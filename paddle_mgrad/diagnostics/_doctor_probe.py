@@ -12,6 +12,7 @@ Each step prints one line ``@@paddle_mgrad_doctor@@ {json}`` as soon as it is do
 killed by a signal (a truncated ``.so`` gives SIGBUS in ``dlopen``) still tells the doctor what
 it was doing and where.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,9 +57,19 @@ def _minimal_listing(root, current):
                     problem = "failed build: " + f.read()[-300:]
             except OSError:
                 problem = "failed build"
-        out.append({"directory": d, "key": key, "complete": os.path.exists(os.path.join(d, ".complete")),
-                    "verified": None, "problem": problem, "size": size, "paddle_version": None,
-                    "cuda": None, "current": key in current})
+        out.append(
+            {
+                "directory": d,
+                "key": key,
+                "complete": os.path.exists(os.path.join(d, ".complete")),
+                "verified": None,
+                "problem": problem,
+                "size": size,
+                "paddle_version": None,
+                "cuda": None,
+                "current": key in current,
+            }
+        )
     return out
 
 
@@ -66,8 +77,12 @@ def step_paddle():
     import paddle  # imported (or its failure reported) by the doctor's bootstrap already
 
     cuda = bool(paddle.is_compiled_with_cuda())
-    info = {"version": paddle.__version__, "commit": getattr(paddle.version, "commit", None),
-            "cuda": cuda, "file": paddle.__file__}
+    info = {
+        "version": paddle.__version__,
+        "commit": getattr(paddle.version, "commit", None),
+        "cuda": cuda,
+        "file": paddle.__file__,
+    }
     if cuda:
         try:
             info["cuda_version"] = paddle.version.cuda()
@@ -98,7 +113,10 @@ def step_cache(name="cache"):
             builds = [dict(b) for b in inspect(root)]
             lister = "inspect_cache"
         except Exception as e:  # noqa: BLE001
-            builds, lister = _minimal_listing(root, keys), f"minimal (inspect_cache failed: {_error(e)})"
+            builds, lister = (
+                _minimal_listing(root, keys),
+                f"minimal (inspect_cache failed: {_error(e)})",
+            )
     else:
         builds, lister = _minimal_listing(root, keys), "minimal"
     for b in builds:  # the doctor marks the current builds whatever the lister knows
@@ -106,15 +124,33 @@ def step_cache(name="cache"):
     prebuilt = []
     pre = _build.prebuilt_root()
     if os.path.isdir(pre):
-        prebuilt = [{"directory": os.path.join(pre, k), "key": k,
-                     "complete": os.path.exists(os.path.join(pre, k, ".complete")),
-                     "current": k in keys} for k in sorted(os.listdir(pre))]
+        prebuilt = [
+            {
+                "directory": os.path.join(pre, k),
+                "key": k,
+                "complete": os.path.exists(os.path.join(pre, k, ".complete")),
+                "current": k in keys,
+            }
+            for k in sorted(os.listdir(pre))
+        ]
     from paddle_mgrad import env
 
-    emit(name, root=root, from_env=env.raw("PADDLE_MGRAD_CACHE") is not None,
-         current=current, builds=builds, lister=lister, prebuilt_root=pre, prebuilt=prebuilt,
-         will_load=[os.path.join(p, k) for k in sorted(keys) for p in (pre, root)
-                    if os.path.exists(os.path.join(p, k, ".complete"))])
+    emit(
+        name,
+        root=root,
+        from_env=env.raw("PADDLE_MGRAD_CACHE") is not None,
+        current=current,
+        builds=builds,
+        lister=lister,
+        prebuilt_root=pre,
+        prebuilt=prebuilt,
+        will_load=[
+            os.path.join(p, k)
+            for k in sorted(keys)
+            for p in (pre, root)
+            if os.path.exists(os.path.join(p, k, ".complete"))
+        ],
+    )
 
 
 def step_selftest(mode):
@@ -134,12 +170,15 @@ def step_op():
         warnings.simplefilter("always")
         module = ops.load()
         backends = ops.backends()
-    info = {"seconds": round(time.perf_counter() - t0, 3), "backend": ops.backend(),
-            "backends": backends, "describe": ops.describe(),
-            "fallback_reason": ops.fallback_reason(),
-            "cuda_fallback_reason": ops.cuda_fallback_reason(),
-            "warnings": [str(w.message)[:1500] for w in caught
-                         if "paddle_mgrad" in str(w.message)]}
+    info = {
+        "seconds": round(time.perf_counter() - t0, 3),
+        "backend": ops.backend(),
+        "backends": backends,
+        "describe": ops.describe(),
+        "fallback_reason": ops.fallback_reason(),
+        "cuda_fallback_reason": ops.cuda_fallback_reason(),
+        "warnings": [str(w.message)[:1500] for w in caught if "paddle_mgrad" in str(w.message)],
+    }
     if module is not None:
         try:
             info["library"] = _build.library_path(module)
@@ -155,11 +194,18 @@ def step_cpu():
 
 
 STEPS = {
-    "paddle": (("paddle", step_paddle), ("cache", step_cache),
-               ("selftest_paddle", lambda: step_selftest("paddle"))),
+    "paddle": (
+        ("paddle", step_paddle),
+        ("cache", step_cache),
+        ("selftest_paddle", lambda: step_selftest("paddle")),
+    ),
     # the cache again once the op is loaded: what loading it did there (e.g. rebuilt a bad build)
-    "op": (("op", step_op), ("cache_after", lambda: step_cache("cache_after")), ("cpu", step_cpu),
-           ("selftest_paddle_mgrad", lambda: step_selftest("paddle_mgrad"))),
+    "op": (
+        ("op", step_op),
+        ("cache_after", lambda: step_cache("cache_after")),
+        ("cpu", step_cpu),
+        ("selftest_paddle_mgrad", lambda: step_selftest("paddle_mgrad")),
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """The main_grad audit: did every trainable parameter get its gradient in fp32 ``main_grad``?"""
+
 from __future__ import annotations
 
 from .. import stats
@@ -33,26 +34,37 @@ class MainGradAudit:
                 self.in_main_grad[p.name] += 1
             if p.grad is not None and hasattr(p, "main_grad"):
                 self.grad_leak[p.name] += 1
+
         return hook
 
     def summary(self) -> dict:
         trained = [n for n, c in self.seen.items() if c > 0]
         ok = [n for n in trained if self.in_main_grad[n] == self.seen[n]]
         fused = sorted(set(trained) & stats.fused_params)
-        linear_weights = [p.name for p in self.params if len(p.shape) == 2 and "embed" not in p.name]
+        linear_weights = [
+            p.name for p in self.params if len(p.shape) == 2 and "embed" not in p.name
+        ]
         counts = [self.seen[n] for n in trained]
-        return {"trainable": len(self.params), "received_grad": len(trained),
-                "grads_per_param": [min(counts, default=0), max(counts, default=0)],
-                "in_fp32_main_grad": len(ok), "grad_not_none": sum(1 for n in trained if self.grad_leak[n]),
-                "fused_linear_params": len(fused), "fused_names": fused,
-                "missing": sorted(set(trained) - set(ok)), "linear_weights": len(linear_weights)}
+        return {
+            "trainable": len(self.params),
+            "received_grad": len(trained),
+            "grads_per_param": [min(counts, default=0), max(counts, default=0)],
+            "in_fp32_main_grad": len(ok),
+            "grad_not_none": sum(1 for n in trained if self.grad_leak[n]),
+            "fused_linear_params": len(fused),
+            "fused_names": fused,
+            "missing": sorted(set(trained) - set(ok)),
+            "linear_weights": len(linear_weights),
+        }
 
     def report(self) -> str:
         s = self.summary()
-        return (f"main_grad audit: {s['in_fp32_main_grad']}/{s['received_grad']} trainable parameters "
-                f"received their gradient in fp32 main_grad with .grad None "
-                f"({s['trainable']} trainable; {s['fused_linear_params']} through the fused linear op)"
-                + (f"; NOT in main_grad: {', '.join(s['missing'][:5])}" if s["missing"] else ""))
+        return (
+            f"main_grad audit: {s['in_fp32_main_grad']}/{s['received_grad']} trainable parameters "
+            f"received their gradient in fp32 main_grad with .grad None "
+            f"({s['trainable']} trainable; {s['fused_linear_params']} through the fused linear op)"
+            + (f"; NOT in main_grad: {', '.join(s['missing'][:5])}" if s["missing"] else "")
+        )
 
     def remove(self):
         for h in self._handles:

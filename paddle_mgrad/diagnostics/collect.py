@@ -4,6 +4,7 @@ importing Paddle -- versions of the installed distributions, the ``.pth``, every
 subprocesses (:mod:`paddle_mgrad.diagnostics._doctor_probe`) report: Paddle, the op cache, the
 op and the self-tests.  :func:`collect` returns them as one dict; nothing here judges them.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,16 +25,25 @@ from ._doctor_probe import MARK
 PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # paddle_mgrad/
 PTH = "paddle_mgrad_autoload.pth"
 TESTED_PADDLE = ("2.6.2", "3.3.1")
-PADDLE_INSTALL = ('pip install paddlepaddle==3.3.1 (CPU; or paddlepaddle==2.6.2 "numpy<2" '
-                  '"protobuf<5"; GPU: paddlepaddle-gpu)')
+PADDLE_INSTALL = (
+    'pip install paddlepaddle==3.3.1 (CPU; or paddlepaddle==2.6.2 "numpy<2" '
+    '"protobuf<5"; GPU: paddlepaddle-gpu)'
+)
 #: what a PaddleNLP / PaddleFormers release needs to import (tested; see docs/scaling-out.md)
-NLP_PINS = {"aistudio-sdk": ("==", "0.1.7"), "huggingface_hub": ("<", "0.26"),
-            "datasets": ("<", "3"), "pyarrow": ("<", "19")}
+NLP_PINS = {
+    "aistudio-sdk": ("==", "0.1.7"),
+    "huggingface_hub": ("<", "0.26"),
+    "datasets": ("<", "3"),
+    "pyarrow": ("<", "19"),
+}
 FORMERS_PINS = {"datasets": (">=<", ("3", "4")), "pyarrow": ("<", "19")}
-GEMM_NAMES = {"cpp-onednn": "our C++ op, oneDNN GEMM", "cpp-portable": "our C++ op, OpenMP GEMM",
-              "python": "pure-Paddle fallback (same results, slower)",
-              "cuda": "our CUDA op (cuBLASLt)",
-              "paddle-fused": "Paddle's own _C_ops.fused_linear_param_grad_add"}
+GEMM_NAMES = {
+    "cpp-onednn": "our C++ op, oneDNN GEMM",
+    "cpp-portable": "our C++ op, OpenMP GEMM",
+    "python": "pure-Paddle fallback (same results, slower)",
+    "cuda": "our CUDA op (cuBLASLt)",
+    "paddle-fused": "Paddle's own _C_ops.fused_linear_param_grad_add",
+}
 PROBE_TIMEOUT = {"paddle": 300, "op": 900}
 
 _BOOTSTRAP = r"""
@@ -125,8 +135,9 @@ def _tool(command):
     if path:
         out["real_path"] = os.path.realpath(path)
         try:
-            text = subprocess.run([path, "--version"], capture_output=True, text=True,
-                                  timeout=20).stdout
+            text = subprocess.run(
+                [path, "--version"], capture_output=True, text=True, timeout=20
+            ).stdout
             out["version"] = (text.strip().splitlines() or [None])[0]
         except (OSError, subprocess.SubprocessError) as e:
             out["version_error"] = _error(e)
@@ -138,11 +149,16 @@ def _versions():
     import platform
 
     paddle_dists = {d: _dist_version(d) for d in ("paddlepaddle", "paddlepaddle-gpu")}
-    out = {"python": platform.python_version(), "python_executable": sys.executable,
-           "platform": platform.platform(),
-           "paddle_dists": {k: v for k, v in paddle_dists.items() if v},
-           "paddle_mgrad": __version__, "paddle_mgrad_path": PKG_DIR,
-           "paddle_mgrad_installed": None, "paddle_mgrad_installed_path": None}
+    out = {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "paddle_dists": {k: v for k, v in paddle_dists.items() if v},
+        "paddle_mgrad": __version__,
+        "paddle_mgrad_path": PKG_DIR,
+        "paddle_mgrad_installed": None,
+        "paddle_mgrad_installed_path": None,
+    }
     for name in ("paddlenlp", "paddleformers", "numpy", "protobuf", *NLP_PINS):
         out[name] = _dist_version(name)
     try:
@@ -151,7 +167,8 @@ def _versions():
         dist = metadata.distribution("paddle_mgrad")
         out["paddle_mgrad_installed"] = dist.version
         out["paddle_mgrad_installed_path"] = os.path.dirname(
-            os.path.abspath(str(dist.locate_file("paddle_mgrad/__init__.py"))))
+            os.path.abspath(str(dist.locate_file("paddle_mgrad/__init__.py")))
+        )
     except Exception:  # noqa: BLE001  (not installed: a source checkout on PYTHONPATH)
         pass
     return out
@@ -187,26 +204,39 @@ def _switching_on(environ):
     pth = [os.path.join(d, PTH) for d in dirs if os.path.exists(os.path.join(d, PTH))]
     if ran is not None and not pth:  # processed from another site dir (site.addsitedir)
         pth = [os.path.join(d, PTH) for d in sys.path if d and os.path.exists(os.path.join(d, PTH))]
-    return {"site_packages": dirs, "pth": pth,
-            "autoload_module": getattr(spec, "origin", None),
-            "autoload_ran_in_this_process": ran is not None,
-            "variables": variables, "activation": activation}
+    return {
+        "site_packages": dirs,
+        "pth": pth,
+        "autoload_module": getattr(spec, "origin", None),
+        "autoload_ran_in_this_process": ran is not None,
+        "variables": variables,
+        "activation": activation,
+    }
 
 
 def _compilers(environ):
     cxx = environ.get("CXX") or "c++"
     cc = environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
-    return {"cxx": dict(_tool(cxx), env=environ.get("CXX")),
-            "cc": dict(_tool(cc), env=environ.get("CC"))}
+    return {
+        "cxx": dict(_tool(cxx), env=environ.get("CXX")),
+        "cc": dict(_tool(cc), env=environ.get("CC")),
+    }
 
 
 def _cuda_toolkit():
     bc = _load_build_config()
     tk = bc.find_cuda(need_thrust=True)  # what the op's build would use (never raises)
-    return {"home": tk.home, "nvcc": tk.nvcc,
-            "version": ".".join(map(str, tk.version)) if tk.version else None,
-            "major": tk.major, "libs": dict(tk.libs), "source": dict(tk.source),
-            "missing": list(tk.missing), "ok": tk.ok, "summary": tk.summary()}
+    return {
+        "home": tk.home,
+        "nvcc": tk.nvcc,
+        "version": ".".join(map(str, tk.version)) if tk.version else None,
+        "major": tk.major,
+        "libs": dict(tk.libs),
+        "source": dict(tk.source),
+        "missing": list(tk.missing),
+        "ok": tk.ok,
+        "summary": tk.summary(),
+    }
 
 
 # ------------------------------------------------------------------ facts, from subprocesses
@@ -226,21 +256,31 @@ def run_probe(which, environ, timeout):
     """Run one probe; returns its step records, exit status (signal name) and stderr's tail."""
     cmd = [sys.executable, "-c", _BOOTSTRAP, os.path.dirname(PKG_DIR), which, MARK]
     t0 = time.perf_counter()
-    out = {"returncode": None, "signal": None, "timed_out": False, "steps": {},
-           "crashed_in": None, "stderr_tail": ""}
+    out = {
+        "returncode": None,
+        "signal": None,
+        "timed_out": False,
+        "steps": {},
+        "crashed_in": None,
+        "stderr_tail": "",
+    }
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout)
         stdout, stderr, out["returncode"] = res.stdout, res.stderr, res.returncode
     except subprocess.TimeoutExpired as e:
         out["timed_out"] = True
-        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        stdout = (
+            e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        )
+        stderr = (
+            e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        )
     out["seconds"] = round(time.perf_counter() - t0, 2)
     out["signal"] = _signal_name(out["returncode"])
     for line in stdout.splitlines():
         if line.startswith(MARK):
             try:
-                rec = json.loads(line[len(MARK):])
+                rec = json.loads(line[len(MARK) :])
             except ValueError:
                 continue
             out["steps"][rec.pop("step")] = rec
@@ -277,15 +317,17 @@ def collect(environ=None, timeout=None, progress=None) -> dict:
     if paddle_ok:
         cache = facts["probe_paddle"]["steps"].get("cache", {})
         if progress and not cache.get("will_load") and not cache.get("failed"):
-            progress("the op is not built for this configuration yet: building it now (once, "
-                     "~10-60 s)")
+            progress(
+                "the op is not built for this configuration yet: building it now (once, ~10-60 s)"
+            )
         elif progress:
             progress("loading the op, seed case through paddle_mgrad")
         facts["probe_op"] = run_probe("op", penv, timeout)
     else:
         facts["probe_op"] = None
     # the command line keeps Paddle out of this process (a caller may have imported it anyway)
-    facts["doctor"]["command_line"] = bool(getattr(sys.modules.get("paddle_mgrad"),
-                                                   "_AS_COMMAND_LINE", False))
+    facts["doctor"]["command_line"] = bool(
+        getattr(sys.modules.get("paddle_mgrad"), "_AS_COMMAND_LINE", False)
+    )
     facts["doctor"]["paddle_in_process"] = "paddle" in sys.modules
     return facts

@@ -24,6 +24,7 @@ doctor.  Every section catches its own errors: the doctor reports its own failur
 Three steps, one module each: :mod:`.collect` gathers the facts, :mod:`.judge` turns them into
 problems with fixes and a verdict, :mod:`.render` prints them; this module is the command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,27 +51,50 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m paddle_mgrad doctor",
         description="What paddle_mgrad runs where, why, and whether it works. Exit code 0 when "
-                    "healthy, 1 when something is wrong (each problem with its fix).")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (CI, bug reports)")
-    parser.add_argument("--timeout", type=float, default=PROBE_TIMEOUT["op"],
-                        help="seconds allowed to load or build the op (default %(default)s)")
+        "healthy, 1 when something is wrong (each problem with its fix).",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (CI, bug reports)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=PROBE_TIMEOUT["op"],
+        help="seconds allowed to load or build the op (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         _drop_autoload_hook()
-        progress = None if args.json else (
-            lambda msg: print(f"paddle_mgrad doctor: {msg} ...", file=sys.stderr, flush=True))
+        progress = (
+            None
+            if args.json
+            else (lambda msg: print(f"paddle_mgrad doctor: {msg} ...", file=sys.stderr, flush=True))
+        )
         facts = collect(timeout=args.timeout, progress=progress)
         problems = diagnose(facts)
         code = 1 if problems else 0
         if args.json:
-            print(json.dumps({"exit_code": code, "verdict": verdict(facts, problems),
-                              "needs_paddle_mgrad": _needs_line(facts),
-                              "rebuilt": [{"directory": d, "was": p} for d, p in rebuilt(facts)],
-                              "problems": problems, "facts": facts}, indent=1, default=str))
+            print(
+                json.dumps(
+                    {
+                        "exit_code": code,
+                        "verdict": verdict(facts, problems),
+                        "needs_paddle_mgrad": _needs_line(facts),
+                        "rebuilt": [{"directory": d, "was": p} for d, p in rebuilt(facts)],
+                        "problems": problems,
+                        "facts": facts,
+                    },
+                    indent=1,
+                    default=str,
+                )
+            )
         else:
             print(render(facts, problems))
         return code
     except Exception as e:  # noqa: BLE001  (never a traceback: one line, exit 1)
-        print(f"paddle_mgrad doctor: internal error {_error(e)}; fix: report it "
-              "(python -m paddle_mgrad doctor --json)", file=sys.stdout)
+        print(
+            f"paddle_mgrad doctor: internal error {_error(e)}; fix: report it "
+            "(python -m paddle_mgrad doctor --json)",
+            file=sys.stdout,
+        )
         return 1

@@ -23,6 +23,7 @@ reference:
 Used by ``python -m paddle_mgrad doctor`` (in a subprocess).  Takes well under a second once
 Paddle is imported and the op is loaded.
 """
+
 from __future__ import annotations
 
 import time
@@ -47,10 +48,12 @@ def _accumulate(x, dy, weight):
         from paddle import _C_ops
 
         weight.main_grad, _ = _C_ops.fused_linear_param_grad_add(
-            x, dy, weight.main_grad, None, True, False)
+            x, dy, weight.main_grad, None, True, False
+        )
         return
-    dw = paddle.matmul(x.reshape([-1, x.shape[-1]]), dy.reshape([-1, dy.shape[-1]]),
-                       transpose_x=True).astype("float32")
+    dw = paddle.matmul(
+        x.reshape([-1, x.shape[-1]]), dy.reshape([-1, dy.shape[-1]]), transpose_x=True
+    ).astype("float32")
     weight.main_grad = dw if weight.main_grad is None else weight.main_grad + dw
 
 
@@ -73,8 +76,9 @@ class SeedLinear(paddle.autograd.PyLayer):
         if hasattr(weight, "main_grad"):
             _accumulate(x, dy, weight)
             return dx, None
-        dw = paddle.matmul(x.reshape([-1, x.shape[-1]]), dy.reshape([-1, dy.shape[-1]]),
-                           transpose_x=True)
+        dw = paddle.matmul(
+            x.reshape([-1, x.shape[-1]]), dy.reshape([-1, dy.shape[-1]]), transpose_x=True
+        )
         return dx, dw
 
 
@@ -124,9 +128,16 @@ def run(mode: str) -> dict:
     from paddle.distributed.fleet.utils import recompute
     from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
-    out = {"mode": mode, "error": None, "backward_got_parameter": None,
-           "backward_had_main_grad": None, "saved_names": [], "main_grad_ok": False,
-           "max_rel_err": None, "seconds": None}
+    out = {
+        "mode": mode,
+        "error": None,
+        "backward_got_parameter": None,
+        "backward_had_main_grad": None,
+        "saved_names": [],
+        "main_grad_ok": False,
+        "max_rel_err": None,
+        "seconds": None,
+    }
     t0 = time.perf_counter()
     _seen.clear()
     _mode["fused_op"] = mode == "paddle_mgrad"
@@ -157,15 +168,23 @@ def run(mode: str) -> dict:
         if mode == "paddle_mgrad":
             after = stats.snapshot()
             out["ours"] = {
-                "recompute": after["recompute"]["non_reentrant"] - before["recompute"]["non_reentrant"],
-                "op_calls": after["paddle_c_ops"]["ours"] - before["paddle_c_ops"]["ours"]}
-            out["through_paddle_mgrad"] = out["ours"] == {"recompute": MICRO_STEPS,
-                                                          "op_calls": 2 * MICRO_STEPS}
+                "recompute": after["recompute"]["non_reentrant"]
+                - before["recompute"]["non_reentrant"],
+                "op_calls": after["paddle_c_ops"]["ours"] - before["paddle_c_ops"]["ours"],
+            }
+            out["through_paddle_mgrad"] = out["ours"] == {
+                "recompute": MICRO_STEPS,
+                "op_calls": 2 * MICRO_STEPS,
+            }
         ref = reference_main_grads(w1, w2, xs)
         errs, ok = [], True
         for p, r in zip((block.w1, block.w2), ref):
             mg = getattr(p, "main_grad", None)
-            if mg is None or str(mg.dtype).replace("paddle.", "") != "float32" or p.grad is not None:
+            if (
+                mg is None
+                or str(mg.dtype).replace("paddle.", "") != "float32"
+                or p.grad is not None
+            ):
                 ok = False
                 continue
             got = mg.numpy().astype("f8")

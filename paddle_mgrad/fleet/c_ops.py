@@ -11,6 +11,7 @@ static-graph values -- Paddle's own op.  Code reaching it as
 _C_ops.fused_linear_param_grad_add`` sees it; a name bound with
 ``from paddle._C_ops import fused_linear_param_grad_add`` *before* enable does not.
 """
+
 from __future__ import annotations
 
 from .. import ops, stats
@@ -27,8 +28,9 @@ def _runs_here(x) -> bool:
 def wrap_fused_linear_param_grad_add(paddle_op):
     """Registry factory: the dispatcher around Paddle's op (``None`` where Paddle has none)."""
 
-    def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precision=True,
-                                    has_bias=True):
+    def fused_linear_param_grad_add(
+        x, dout, dweight=None, dbias=None, multi_precision=True, has_bias=True
+    ):
         if paddle_op is not None and not _runs_here(x):
             stats.bump(stats.paddle_c_ops, "paddle")
             return paddle_op(x, dout, dweight, dbias, multi_precision, has_bias)
@@ -38,5 +40,6 @@ def wrap_fused_linear_param_grad_add(paddle_op):
     fused_linear_param_grad_add.__wrapped__ = paddle_op
     fused_linear_param_grad_add.__doc__ = (
         "paddle_mgrad: CPU tensors run paddle_mgrad.ops.fused_linear_param_grad_add, other "
-        "places Paddle's own kernel.\n\n" + (getattr(paddle_op, "__doc__", None) or ""))
+        "places Paddle's own kernel.\n\n" + (getattr(paddle_op, "__doc__", None) or "")
+    )
     return fused_linear_param_grad_add

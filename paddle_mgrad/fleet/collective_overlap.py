@@ -14,6 +14,7 @@ Our replacements (:mod:`.overlap_linear`, :mod:`.sp_overlap_linear`) call
 :func:`let_collective_start` at the same points.  Only for GPU tensors: on the CPU (gloo)
 there are no SMs to share, and the warning would be noise.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,6 +54,9 @@ def let_collective_start(tensor) -> bool:
             "sp_async_reduce_scatter or recompute_allgather) runs with CUDA_DEVICE_MAX_CONNECTIONS "
             f"={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', '(unset)')}; export "
             "CUDA_DEVICE_MAX_CONNECTIONS=1 so that the collective can overlap the weight-gradient "
-            "GEMM (as Paddle's own overlap linears advise)", RuntimeWarning, stacklevel=3)
+            "GEMM (as Paddle's own overlap linears advise)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     paddle.ones([512])  # the small launch between the collective and the GEMM
     return True

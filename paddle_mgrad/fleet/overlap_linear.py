@@ -19,6 +19,7 @@ parameters on ``ctx``, so recompute hands back the real objects.  The forward's
 ``c_identity`` is an identity (its backward, the all-reduce of ``dx``, is done
 here explicitly, as in Paddle), so it is not called.
 """
+
 from __future__ import annotations
 
 from .. import stats
@@ -46,8 +47,17 @@ class OverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         return apply_under_policy(super().apply, x, weight, *args)
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fuse_matmul_bias, mp_async_allreduce, mp_skip_c_identity,
-                mp_fused_linear_param_grad_add, model_parallel_group):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        fuse_matmul_bias,
+        mp_async_allreduce,
+        mp_skip_c_identity,
+        mp_fused_linear_param_grad_add,
+        model_parallel_group,
+    ):
         stash_for_backward(ctx, x, weight, bias)  # main_grad checked here, as in our linear
         ctx.group = model_parallel_group
         stats.bump(stats.linear, "overlap_forward")
@@ -59,6 +69,7 @@ class OverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         weight, bias = ctx.weight, ctx.bias
         fpass = backward_errors.current_pass()
         if fpass is not None:  # paddle.grad: plain gradients, nothing accumulated
+
             def dx_fn():
                 dx = input_grad(dy, weight)
                 paddle.distributed.all_reduce(dx, group=ctx.group)

@@ -23,6 +23,7 @@ as in our linear).  The collectives are looked up at call time
 (``sequence_parallel_utils.all_gather``, ``paddle.distributed.all_gather``,
 ``paddle.distributed.stream.reduce_scatter``), exactly the ones Paddle's class calls.
 """
+
 from __future__ import annotations
 
 from .. import stats
@@ -45,8 +46,16 @@ class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """Drop-in for fleet's ``SPInnerOverlapLinear`` (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fuse_matmul_bias, recompute_allgather,
-                mp_fused_linear_param_grad_add, model_parallel_group):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        fuse_matmul_bias,
+        recompute_allgather,
+        mp_fused_linear_param_grad_add,
+        model_parallel_group,
+    ):
         check_main_grads(weight, bias)  # before the all-gather: no collective on bad input
         input_parallel = _sp_utils().all_gather(x)
         # what backward's dW needs: the gathered input, or (recompute_allgather) x alone
@@ -71,13 +80,14 @@ class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
             shape = list(saved.shape)
             shape[0] *= nranks
             input_parallel = paddle.empty(shape=shape, dtype=saved.dtype)
-            gather_task = paddle.distributed.all_gather(input_parallel, saved, group=group,
-                                                        sync_op=False)
+            gather_task = paddle.distributed.all_gather(
+                input_parallel, saved, group=group, sync_op=False
+            )
             let_collective_start(dy)  # as Paddle, before dx's GEMM
         else:
             input_parallel = saved
         dx = task = None
-        if (ctx.x_needs_grad if need is None else need[0]):
+        if ctx.x_needs_grad if need is None else need[0]:
             dinput_parallel = input_grad(dy, weight)
             if gather_task is not None:  # as Paddle: one collective in flight at a time
                 gather_task.wait()
@@ -85,21 +95,23 @@ class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
             if dinput_parallel.shape[0] % nranks:
                 raise ValueError(
                     f"SPInnerOverlapLinear: sequence length {dinput_parallel.shape[0]} of dx "
-                    f"{list(dinput_parallel.shape)} is not divisible by the {nranks} ranks")
+                    f"{list(dinput_parallel.shape)} is not divisible by the {nranks} ranks"
+                )
             shape = list(dinput_parallel.shape)
             shape[0] //= nranks
             dx = paddle.empty(shape=shape, dtype=dinput_parallel.dtype)
             # the sequence-parallel input gradient: summed and scattered while dW runs
             task = paddle.distributed.stream.reduce_scatter(
-                dx, dinput_parallel, op=paddle.distributed.ReduceOp.SUM, group=group,
-                sync_op=False)
+                dx, dinput_parallel, op=paddle.distributed.ReduceOp.SUM, group=group, sync_op=False
+            )
         if gather_task is not None:
             gather_task.wait()
         if need is not None:
             if task is not None and hasattr(task, "wait"):
                 task.wait()
-            dw, db = plain_param_grads(input_parallel, dy, weight, bias, False, need[1],
-                                       bias is not None and need[2])
+            dw, db = plain_param_grads(
+                input_parallel, dy, weight, bias, False, need[1], bias is not None and need[2]
+            )
             return (dx, dw) if bias is None else (dx, dw, db)
         out = grads_while(task, dx, input_parallel, dy, weight, bias)
         autograd_passes.ran(ctx)

@@ -30,6 +30,7 @@ is running -- deferred by the store, that gradient is lost; its non-reentrant mo
 saved input back with ``stop_gradient`` set, so ``SplitBWMatmul`` returns no ``dx``.  Both are
 Paddle's, with or without this module; ``enable(recompute=True)`` fixes both.
 """
+
 from __future__ import annotations
 
 from .. import ops, stats
@@ -45,8 +46,11 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _dense(t) -> bool:
-    return (is_tensor(t) and (not hasattr(t, "is_dense") or t.is_dense())
-            and not (hasattr(t, "is_dist") and t.is_dist()))
+    return (
+        is_tensor(t)
+        and (not hasattr(t, "is_dense") or t.is_dense())
+        and not (hasattr(t, "is_dist") and t.is_dist())
+    )
 
 
 def _fold(t):
@@ -71,10 +75,13 @@ def _ours(input, weight, out_grad) -> bool:
     mg = weight.main_grad
     if mg is None:
         return True
-    return (_dense(mg) and mg.dtype == paddle.float32
-            and list(mg.shape) == [input.shape[-1], out_grad.shape[-1]]
-            and mg.place._equals(input.place)
-            and (not hasattr(mg, "is_contiguous") or mg.is_contiguous()))
+    return (
+        _dense(mg)
+        and mg.dtype == paddle.float32
+        and list(mg.shape) == [input.shape[-1], out_grad.shape[-1]]
+        and mg.place._equals(input.place)
+        and (not hasattr(mg, "is_contiguous") or mg.is_contiguous())
+    )
 
 
 def grad_weight_fn(input, weight, out_grad, inplace_update_grad=True):
@@ -83,11 +90,13 @@ def grad_weight_fn(input, weight, out_grad, inplace_update_grad=True):
         return original(KEY)(input, weight, out_grad, inplace_update_grad)
     with paddle.no_grad():
         main_grad = weight.main_grad
-        dw, _ = ops.fused_linear_param_grad_add(_fold(input), _fold(out_grad), main_grad, None,
-                                                True, False)
+        dw, _ = ops.fused_linear_param_grad_add(
+            _fold(input), _fold(out_grad), main_grad, None, True, False
+        )
         if main_grad is None:  # first micro-step: a new fp32 tensor, named as Paddle names it
-            weight.main_grad = core.eager.Tensor(value=dw.value(), place=dw.place,
-                                                 name="main_grad@" + weight.name)
+            weight.main_grad = core.eager.Tensor(
+                value=dw.value(), place=dw.place, name="main_grad@" + weight.name
+            )
     stats.fused_params.add(weight.name)
     stats.bump(stats.linear, "into_main_grad")
     stats.bump(stats.linear, "zero_bubble")

@@ -43,6 +43,7 @@ devices and force tiers), :mod:`._inputs` (the input checks), :mod:`._reference`
 pure-Paddle fallback), :mod:`.strided` (strided accumulators); :mod:`._build` and its helpers
 build and cache the op library.
 """
+
 from __future__ import annotations
 
 from . import _inputs, devices, dispatch, entries, loader

@@ -54,6 +54,7 @@ Directories created here are mode 0700, files are never group/world-writable; lo
 markers are opened with ``O_NOFOLLOW`` (new ones with ``O_EXCL``).  :func:`inspect_cache` reports
 the state of every key directory without loading anything (for ``python -m paddle_mgrad doctor``).
 """
+
 from __future__ import annotations
 
 import glob
@@ -137,8 +138,12 @@ def gpu_capabilities() -> list:
     """Compute capabilities (major * 10 + minor) of the GPUs this process sees; [] without."""
     try:
         cuda = paddle.device.cuda
-        return sorted({a * 10 + b for a, b in (cuda.get_device_capability(i)
-                                               for i in range(cuda.device_count()))})
+        return sorted(
+            {
+                a * 10 + b
+                for a, b in (cuda.get_device_capability(i) for i in range(cuda.device_count()))
+            }
+        )
     except Exception:  # CPU Paddle, no driver: nothing to add
         return []
 
@@ -171,9 +176,16 @@ def build_key(cuda=None) -> str:
     h = hashlib.sha256()
     cuda = with_cuda() if cuda is None else cuda
     tk_version = str(cuda_toolkit().version) + (cuda_toolkit().home or "") if cuda else ""
-    for part in (paddle.__version__, PADDLE_COMMIT, str(paddle.is_compiled_with_cuda()), tk_version,
-                 sysconfig.get_config_var("SOABI") or sys.version, " ".join(cflags),
-                 " ".join(ldflags), " ".join(nvcc)):
+    for part in (
+        paddle.__version__,
+        PADDLE_COMMIT,
+        str(paddle.is_compiled_with_cuda()),
+        tk_version,
+        sysconfig.get_config_var("SOABI") or sys.version,
+        " ".join(cflags),
+        " ".join(ldflags),
+        " ".join(nvcc),
+    ):
         h.update(part.encode())
     src = csrc_dir()
     for name in sorted(set(sources + HEADERS)):
@@ -247,8 +259,9 @@ def _fast_entry(via):
         make.argtypes = [ctypes.py_object]
         return make(RouteFacts)
     except Exception as e:  # the op works without it (custom-op dispatch): say why, go on
-        log.warning("paddle_mgrad: the op library's fast entry is unavailable (%s: %s)",
-                    type(e).__name__, e)
+        log.warning(
+            "paddle_mgrad: the op library's fast entry is unavailable (%s: %s)", type(e).__name__, e
+        )
         return None
 
 
@@ -259,9 +272,11 @@ def _load_verified(root, key, trusted):
     if r["fd"] is None:
         raise ValueError(r["problem"] or "not verified")
     if r["security"]:  # only when trusted
-        _warn_once(f"paddle_mgrad: loading the op from {r['directory']} although "
-                   f"{'; '.join(r['security'])}, because {TRUST_ENV}=1: anyone who can write "
-                   "there can run code in this process")
+        _warn_once(
+            f"paddle_mgrad: loading the op from {r['directory']} although "
+            f"{'; '.join(r['security'])}, because {TRUST_ENV}=1: anyone who can write "
+            "there can run code in this process"
+        )
     try:
         return _import_library(r["fd"], r["library"], key)
     except Exception as e:  # e.g. a library it links moved: the caller rebuilds once
@@ -279,8 +294,14 @@ def _import_built(directory, key):
 def _compile(build_dir, key, cuda, verbose=False):
     """Compile the op for ``key`` into ``build_dir`` (:func:`._compiler.compile_into`) with this
     configuration's sources and flags (:func:`build_config`) and, for ``cuda``, its toolkit."""
-    compile_into(build_dir, _op_name(key), build_config(cuda), csrc_dir(),
-                 cuda_toolkit() if cuda else None, verbose)
+    compile_into(
+        build_dir,
+        _op_name(key),
+        build_config(cuda),
+        csrc_dir(),
+        cuda_toolkit() if cuda else None,
+        verbose,
+    )
 
 
 def _build_install(root, key, cuda, verbose=False):
@@ -295,7 +316,8 @@ def _build_install(root, key, cuda, verbose=False):
             raise RuntimeError(
                 f"building the op for {os.path.join(root, key)} (in {build_dir}): {e}\nFix the "
                 "cause above and start again (a failed CPU build is not cached); "
-                "PADDLE_MGRAD_OPS=python uses the fallback without building") from None
+                "PADDLE_MGRAD_OPS=python uses the fallback without building"
+            ) from None
         _tighten(build_dir)
         _write_marker(build_dir, key, _op_lib_rel(key), cuda)
         return _install(build_dir, root, key)
@@ -319,9 +341,11 @@ def _load(directory, key, cuda, verbose=False):
     try:
         return _load_verified(root, key, _trusted())
     except ValueError as e:
-        raise RuntimeError(f"the op just built in {directory} cannot be used: {e}. Fix: delete "
-                           f"{directory} and start again; PADDLE_MGRAD_OPS=python uses the "
-                           "fallback without building") from None
+        raise RuntimeError(
+            f"the op just built in {directory} cannot be used: {e}. Fix: delete "
+            f"{directory} and start again; PADDLE_MGRAD_OPS=python uses the "
+            "fallback without building"
+        ) from None
 
 
 def _failed_message(directory) -> str | None:
@@ -349,13 +373,16 @@ def _load_from_root(root, key, cuda, trusted):
     try:
         _makedirs_private(root)
     except OSError as e:
-        raise CacheRefused(f"cannot create the cache directory {root} ({e.strerror}). Fix: point "
-                           "PADDLE_MGRAD_CACHE at a writable directory of your own") from None
+        raise CacheRefused(
+            f"cannot create the cache directory {root} ({e.strerror}). Fix: point "
+            "PADDLE_MGRAD_CACHE at a writable directory of your own"
+        ) from None
     unsafe = _chain_problems(root, [])
     if unsafe and not trusted:  # (trusted: _load_verified warns, once, naming all of it)
-        raise CacheRefused(f"not loading the op from the cache {root}: {'; '.join(unsafe)} -- "
-                           "anyone who can write there could run code in this process. "
-                           + _security_fix(unsafe))
+        raise CacheRefused(
+            f"not loading the op from the cache {root}: {'; '.join(unsafe)} -- "
+            "anyone who can write there could run code in this process. " + _security_fix(unsafe)
+        )
     directory = os.path.join(root, key)
     if cuda:
         failed = _failed_message(directory)
@@ -378,10 +405,13 @@ def _load_from_root(root, key, cuda, trusted):
             except ValueError as e:
                 stale = str(e)
         _discard_partials(root, key)
-        log.warning("paddle_mgrad: compiling the fused weight-gradient op%s (once per "
-                    "Paddle version/source change, ~10-60 s) into %s%s",
-                    " with CUDA" if cuda else "", directory,
-                    f" (rebuilding: {stale})" if stale else "")
+        log.warning(
+            "paddle_mgrad: compiling the fused weight-gradient op%s (once per "
+            "Paddle version/source change, ~10-60 s) into %s%s",
+            " with CUDA" if cuda else "",
+            directory,
+            f" (rebuilding: {stale})" if stale else "",
+        )
         try:
             return _load(directory, key, cuda)
         except Exception as e:
@@ -400,9 +430,11 @@ def _load_keyed(cuda):
         try:
             return _load_verified(pre_root, key, trusted)
         except ValueError as e:
-            _warn_once(f"paddle_mgrad: not loading the prebuilt op in {pre}: {e}. Fix: reinstall "
-                       "paddle_mgrad (PADDLE_MGRAD_BUILD_OPS=1 pip install ...) or delete that "
-                       "directory; the op is built in the JIT cache instead")
+            _warn_once(
+                f"paddle_mgrad: not loading the prebuilt op in {pre}: {e}. Fix: reinstall "
+                "paddle_mgrad (PADDLE_MGRAD_BUILD_OPS=1 pip install ...) or delete that "
+                "directory; the op is built in the JIT cache instead"
+            )
     refused = []
     for root in _candidate_roots():
         try:
@@ -446,8 +478,10 @@ def load_op_module():
             try:
                 return _load_keyed(True), None
             except Exception as e:
-                problem = f"building its CUDA part with {tk.summary()} failed: " \
-                          f"{type(e).__name__}: {e}".strip()[-1500:]
+                problem = (
+                    f"building its CUDA part with {tk.summary()} failed: "
+                    f"{type(e).__name__}: {e}".strip()[-1500:]
+                )
         else:
             problem = tk.problem()
     return _load_keyed(False), problem
@@ -514,6 +548,8 @@ def inspect_cache(root=None) -> list:
                 continue
             r = _examine(base, name)
             r.pop("fd", None)
-            r = dict(r, location=location, current=r["key"] in current and not _PARTIAL_RE.match(name))
+            r = dict(
+                r, location=location, current=r["key"] in current and not _PARTIAL_RE.match(name)
+            )
             out.append(r)
     return out

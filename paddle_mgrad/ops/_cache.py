@@ -6,6 +6,7 @@ completion marker ``.complete`` and the library's size and sha256, checked on on
 descriptor that the loader then maps (**what it is**), and the private directories and files the
 builder creates.  See :mod:`._build`'s docstring for the whole story.  Loads nothing.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,11 @@ def _stat_problem(path, st) -> str | None:
         why.append(f"owned by {_user_name(st.st_uid)} (expected you, {_user_name(me)}, or root)")
     bits = st.st_mode & 0o022
     if bits:
-        who = {0o020: "group-writable", 0o002: "world-writable",
-               0o022: "group- and world-writable"}[bits]
+        who = {
+            0o020: "group-writable",
+            0o002: "world-writable",
+            0o022: "group- and world-writable",
+        }[bits]
         why.append(f"{who} (mode {stat.S_IMODE(st.st_mode):04o})")
     return f"{path} is {' and '.join(why)}" if why else None
 
@@ -94,8 +98,10 @@ def _trusted() -> bool:
 def _security_fix(problems) -> str:
     paths = [p.split(" is ")[0] for p in problems if "-writable (mode" in p]
     chmod = f"`chmod go-w {' '.join(paths)}` if those are yours, or " if paths else ""
-    return (f"Fix: {chmod}point PADDLE_MGRAD_CACHE at a directory only you can write "
-            f"(default ~/.cache/paddle_mgrad); {TRUST_ENV}=1 loads it anyway, at that risk.")
+    return (
+        f"Fix: {chmod}point PADDLE_MGRAD_CACHE at a directory only you can write "
+        f"(default ~/.cache/paddle_mgrad); {TRUST_ENV}=1 loads it anyway, at that risk."
+    )
 
 
 def _makedirs_private(path):
@@ -196,9 +202,23 @@ def _examine(root, name, keep_fd=False, trusted=False) -> _Examined:
     directory = os.path.join(root, name)
     m = _PARTIAL_RE.match(name)
     key = m.group(2) if m else name
-    r = _Examined(directory=directory, key=key, complete=False, verified=False, problem=None,
-                  problems=[], security=[], size=None, recorded_size=None, sha256=None,
-                  paddle_version=None, cuda=None, built_at=None, library=None, fd=None)
+    r = _Examined(
+        directory=directory,
+        key=key,
+        complete=False,
+        verified=False,
+        problem=None,
+        problems=[],
+        security=[],
+        size=None,
+        recorded_size=None,
+        sha256=None,
+        paddle_version=None,
+        cuda=None,
+        built_at=None,
+        library=None,
+        fd=None,
+    )
     if m:
         r["problems"].append("incomplete (build in progress or killed)")
         r["problem"] = r["problems"][0]
@@ -213,11 +233,15 @@ def _examine(root, name, keep_fd=False, trusted=False) -> _Examined:
         except (OSError, ValueError) as e:
             marker_error = f"completion marker: {e.strerror}" if isinstance(e, OSError) else str(e)
     if info is not None:
-        r.update(recorded_size=info["size"], sha256=info["sha256"],
-                 paddle_version=info.get("paddle_version"), cuda=info.get("cuda"),
-                 built_at=info.get("built_at"))
+        r.update(
+            recorded_size=info["size"],
+            sha256=info["sha256"],
+            paddle_version=info.get("paddle_version"),
+            cuda=info.get("cuda"),
+            built_at=info.get("built_at"),
+        )
         parts = info["library"].split("/")
-        rel += [os.path.join(name, *parts[:i + 1]) for i in range(len(parts))]
+        rel += [os.path.join(name, *parts[: i + 1]) for i in range(len(parts))]
         r["library"] = os.path.join(directory, *parts)
     r["security"] = _chain_problems(root, rel)
     problems = list(r["security"])
@@ -271,9 +295,16 @@ def _write_marker(build_dir, key, rel, cuda):
     if not os.path.isfile(lib):
         raise RuntimeError(f"the build in {build_dir} produced no {rel}")
     size, digest = _hash_file(lib)
-    info = {"format": MARKER_FORMAT, "key": key, "library": rel, "size": size, "sha256": digest,
-            "paddle_version": paddle.__version__,
-            "paddle_commit": PADDLE_COMMIT,
-            "cuda": bool(cuda), "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "built_by_uid": os.geteuid()}
+    info = {
+        "format": MARKER_FORMAT,
+        "key": key,
+        "library": rel,
+        "size": size,
+        "sha256": digest,
+        "paddle_version": paddle.__version__,
+        "paddle_commit": PADDLE_COMMIT,
+        "cuda": bool(cuda),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "built_by_uid": os.geteuid(),
+    }
     _write_new(os.path.join(build_dir, MARKER), json.dumps(info, indent=1) + "\n")

@@ -4,6 +4,7 @@ Split out of :mod:`._build`, which decides *what* to build (sources, flags, the 
 key) and where; this module only runs the compiler into a directory it is given and reports its
 failure in a few lines.  Knows nothing of the cache.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,11 @@ def compile_into(build_dir, name, config, src, toolkit=None, verbose=False):
     from paddle.utils.cpp_extension import extension_utils as eu
 
     if any(c in build_dir for c in "'\\\n"):
-        raise RuntimeError(f"the build directory {build_dir!r} contains a quote, backslash or "
-                           "newline, which Paddle's setup script cannot hold. Fix: set "
-                           "PADDLE_MGRAD_CACHE to a path without them")
+        raise RuntimeError(
+            f"the build directory {build_dir!r} contains a quote, backslash or "
+            "newline, which Paddle's setup script cannot hold. Fix: set "
+            "PADDLE_MGRAD_CACHE to a path without them"
+        )
     sources, cflags, ldflags, nvcc = config
     env = dict(os.environ)
     if toolkit is not None:
@@ -45,20 +48,39 @@ def compile_into(build_dir, name, config, src, toolkit=None, verbose=False):
         # it links) from $CUDA_HOME, else from `which nvcc`: point it at our toolkit.
         env["CUDA_HOME"] = toolkit.home
     setup_file = os.path.join(build_dir, f"{name}_setup.py")
-    eu._write_setup_file(name, [os.path.join(src, s) for s in sources], setup_file,
-                         os.path.join(build_dir, name), None, None, cflags + [f"-I{src}"],
-                         (nvcc + [f"-I{src}"]) if nvcc else [], ldflags, verbose)
+    eu._write_setup_file(
+        name,
+        [os.path.join(src, s) for s in sources],
+        setup_file,
+        os.path.join(build_dir, name),
+        None,
+        None,
+        cflags + [f"-I{src}"],
+        (nvcc + [f"-I{src}"]) if nvcc else [],
+        ldflags,
+        verbose,
+    )
     # through _parallel_setup.py: the sources compile concurrently on Paddle 2.6 as on 3.x
     cmd = [sys.executable, _PARALLEL_SETUP, setup_file, "build"]
     if verbose:
         r = subprocess.run(cmd, cwd=build_dir, env=env)
         out = ""
     else:
-        r = subprocess.run(cmd, cwd=build_dir, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, errors="replace")
+        r = subprocess.run(
+            cmd,
+            cwd=build_dir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
         out = r.stdout
     if r.returncode != 0:
-        tail = "\n".join(ln for ln in out.strip().splitlines()[-15:]
-                         if not ln.startswith("running "))
-        raise RuntimeError(f"the compiler failed (exit {r.returncode})"
-                           + (f":\n{tail}" if tail else " (output above)"))
+        tail = "\n".join(
+            ln for ln in out.strip().splitlines()[-15:] if not ln.startswith("running ")
+        )
+        raise RuntimeError(
+            f"the compiler failed (exit {r.returncode})"
+            + (f":\n{tail}" if tail else " (output above)")
+        )

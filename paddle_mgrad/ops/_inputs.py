@@ -10,6 +10,7 @@ two flags (:func:`flag`: a bool, or the ints 0/1, as Paddle's op takes them -- t
 Places are compared as ``str(t.place)`` through :func:`.devices.place` (which
 :func:`~paddle_mgrad.ops.override` fakes in tests, for devices this machine does not have).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -49,7 +50,7 @@ def _dtype_name_slow(dt) -> str:
 #   recycled id impossible to mistake.
 # * Paddle 2.6 makes a new object per ``.dtype``: looked up by ``(type, int(dt))``, the enum
 #   value (one pybind call).  Strings (``"float32"``) are their own names.
-_BY_ID: dict = {}   # id(dtype object) -> (the object, its name)
+_BY_ID: dict = {}  # id(dtype object) -> (the object, its name)
 _BY_ENUM: dict = {}  # (type, enum value) -> name
 
 
@@ -59,8 +60,16 @@ def _remember(dt):
     return name
 
 
-for _n in SUPPORTED + ("int32", "int64", "bool", "uint8", "int8", "int16", "complex64",
-                       "complex128"):
+for _n in SUPPORTED + (
+    "int32",
+    "int64",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "complex64",
+    "complex128",
+):
     _dt = getattr(paddle, _n)  # each of these names is a dtype on 2.6 and 3.x
     _remember(_dt)
     _BY_ID[id(_n)] = (_n, _n)
@@ -106,7 +115,8 @@ def flag(name, value) -> bool:
         return bool(value)
     raise FusedLinearError(
         f"fused_linear_param_grad_add: {name} must be a bool (True/False, or 1/0), got "
-        f"{value!r} ({type(value).__name__})")
+        f"{value!r} ({type(value).__name__})"
+    )
 
 
 def _describe(name, t):
@@ -122,14 +132,18 @@ def check(x, dout, dweight, dbias, multi_precision, has_bias):
     if not isinstance(x, paddle.Tensor) or not isinstance(dout, paddle.Tensor):
         raise FusedLinearError(
             "fused_linear_param_grad_add: x and dout must be paddle Tensors, got "
-            f"{type(x).__name__} and {type(dout).__name__}")
+            f"{type(x).__name__} and {type(dout).__name__}"
+        )
     dbias = dbias if has_bias else None
 
     def bad(msg):
         raise FusedLinearError(
             f"fused_linear_param_grad_add: {msg} (x {list(x.shape)} {dtype_name(x.dtype)}, "
             f"dout {list(dout.shape)} {dtype_name(dout.dtype)}"
-            + _describe("dweight", dweight) + _describe("dbias", dbias) + ")")
+            + _describe("dweight", dweight)
+            + _describe("dbias", dbias)
+            + ")"
+        )
 
     for name, t in (("dweight", dweight), ("dbias", dbias)):
         if t is not None and not isinstance(t, paddle.Tensor):
@@ -153,7 +167,9 @@ def check(x, dout, dweight, dbias, multi_precision, has_bias):
         if list(t.shape) != shape:
             bad(f"{name} must be {'[K, N]' if name == 'dweight' else '[N]'} = {shape}")
         if dtype_name(t.dtype) not in acc_ok:
-            bad(f"{name} must be {' or '.join(sorted(acc_ok))}"
-                + (" when multi_precision=True" if multi_precision else ""))
+            bad(
+                f"{name} must be {' or '.join(sorted(acc_ok))}"
+                + (" when multi_precision=True" if multi_precision else "")
+            )
         if place(t) != where:
             bad(f"{name} must be on the same device as x ({where} vs {place(t)})")

@@ -4,6 +4,7 @@ partial directories a killed build left, publish a build by rename.
 Split out of :mod:`._build`: the ranks of a data-parallel launch serialise their builders of one
 key here; a complete, verified build is loaded without the lock (a read-only cache works).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,16 +27,21 @@ def _locked(root, key):
         fd = _open_nofollow(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CacheRefused(f"the lock file {path} is a symbolic link; not following it "
-                               f"(Fix: remove it)") from None
-        raise CacheRefused(f"cannot create the lock file {path} ({e.strerror}): the cache is not "
-                           "writable and holds no usable build of this key. Fix: point "
-                           "PADDLE_MGRAD_CACHE at a writable directory of your own") from None
+            raise CacheRefused(
+                f"the lock file {path} is a symbolic link; not following it (Fix: remove it)"
+            ) from None
+        raise CacheRefused(
+            f"cannot create the lock file {path} ({e.strerror}): the cache is not "
+            "writable and holds no usable build of this key. Fix: point "
+            "PADDLE_MGRAD_CACHE at a writable directory of your own"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0):
-            raise CacheRefused(f"the lock file {path} is not a regular file of yours "
-                               f"({_user_name(st.st_uid)}); Fix: remove it")
+            raise CacheRefused(
+                f"the lock file {path} is not a regular file of yours "
+                f"({_user_name(st.st_uid)}); Fix: remove it"
+            )
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield

@@ -20,6 +20,7 @@ error stays at the end of the output, where the caller's message quotes it), and
 is raised once every started compile has finished (no orphaned compiler writing into the build
 directory).
 """
+
 import os
 import runpy
 import sys
@@ -48,11 +49,21 @@ def workers(count, environ=os.environ):
     return max(1, min(n, count))
 
 
-def compile_concurrently(self, sources, output_dir=None, macros=None, include_dirs=None, debug=0,
-                         extra_preargs=None, extra_postargs=None, depends=None):
+def compile_concurrently(
+    self,
+    sources,
+    output_dir=None,
+    macros=None,
+    include_dirs=None,
+    debug=0,
+    extra_preargs=None,
+    extra_postargs=None,
+    depends=None,
+):
     """``CCompiler.compile`` with the per-file ``self._compile`` calls on a thread pool."""
     macros, objects, extra_postargs, pp_opts, build = self._setup_compile(
-        output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        output_dir, macros, include_dirs, sources, depends, extra_postargs
+    )
     cc_args = self._get_cc_args(pp_opts, debug, extra_preargs)
     todo = [(obj,) + tuple(build[obj]) for obj in objects if obj in build]
     cuda = [t for t in todo if t[1].endswith(CUDA_SUFFIXES)]

@@ -11,6 +11,7 @@ Every input is checked (:func:`._inputs.check`) and both sums are computed befor
 either accumulator is written, so a bad ``dbias`` leaves ``dweight`` untouched.
 Tensors it creates live on ``x``'s place, not on Paddle's default device.
 """
+
 from __future__ import annotations
 
 from .._compat import paddle

@@ -32,6 +32,7 @@ module loads without ``LD_LIBRARY_PATH``.  A library that something else links a
 (:meth:`CudaToolkit.link_shims`).  When something is missing, :meth:`CudaToolkit.problem` names
 exactly what and how to install it, in one line.
 """
+
 from __future__ import annotations
 
 import glob
@@ -44,28 +45,55 @@ import sys
 
 # ------------------------------------------------------------------- sources and flags
 # framework-free CPU core + the GPU path's decisions (no CUDA in them: CPU tests reach them)
-CORE_SOURCES = ["wgrad_cpu.cc", "wgrad_cpu_env.cc", "wgrad_bf16_scan.cc", "wgrad_dgemm.cc",
-                "wgrad_gpu_plan.cc"]
-PADDLE_SOURCES = ["wgrad_op.cc", "wgrad_pyentry.cc"]  # the Paddle binding (PD_BUILD_OP), its fast entry
-CAPI_SOURCES = ["wgrad_capi.cc"]                # the op library's C ABI for ctypes (the cores, what ran)
+CORE_SOURCES = [
+    "wgrad_cpu.cc",
+    "wgrad_cpu_env.cc",
+    "wgrad_bf16_scan.cc",
+    "wgrad_dgemm.cc",
+    "wgrad_gpu_plan.cc",
+]
+PADDLE_SOURCES = [
+    "wgrad_op.cc",
+    "wgrad_pyentry.cc",
+]  # the Paddle binding (PD_BUILD_OP), its fast entry
+CAPI_SOURCES = ["wgrad_capi.cc"]  # the op library's C ABI for ctypes (the cores, what ran)
 # Test doubles (fake GPU, fake host), probes of the GPU path's decisions and of the bf16 scan
 # kernels: compiled only into the test/benchmark library (benchmarks/gpu/pmg_gpu_bench/build.py),
 # never into the op library users load.
 CAPI_TEST_SOURCES = ["wgrad_capi_testing.cc"]
-CUDA_SOURCES = ["wgrad_cuda.cu"]                # cuBLASLt (+ BGRADA epilogue) + bias reduction
-HEADERS = ["wgrad_core.h", "wgrad_cpu_env.h", "wgrad_cpu_dtype.h", "wgrad_dgemm.h", "wgrad_cuda.h",
-           "wgrad_gpu_plan.h", "wgrad_gpu_flow.h", "wgrad_cuda_flow.h", "wgrad_op.h",
-           "wgrad_capi_util.h"]
+CUDA_SOURCES = ["wgrad_cuda.cu"]  # cuBLASLt (+ BGRADA epilogue) + bias reduction
+HEADERS = [
+    "wgrad_core.h",
+    "wgrad_cpu_env.h",
+    "wgrad_cpu_dtype.h",
+    "wgrad_dgemm.h",
+    "wgrad_cuda.h",
+    "wgrad_gpu_plan.h",
+    "wgrad_gpu_flow.h",
+    "wgrad_cuda_flow.h",
+    "wgrad_op.h",
+    "wgrad_capi_util.h",
+]
 
 # The op library's exported C names (all of them start with ``pmg_``): the C ABI of wgrad_capi.cc
 # and the Python fast entry of wgrad_pyentry.cc; a CUDA build adds EXPORTED_CUDA_C_SYMBOLS.
 # tests/ops/test_exported_symbols.py reads the built library's dynamic symbol table and checks
 # that its pmg_* names are exactly these, and that nothing of the test library is in it.
-EXPORTED_C_SYMBOLS = ("pmg_cpu_bf16_path", "pmg_cpu_gemm_backend", "pmg_cpu_isa",
-                      "pmg_cpu_thread_scratch_bytes", "pmg_fast_module", "pmg_has_cuda",
-                      "pmg_wgrad_cpu_c")
-EXPORTED_CUDA_C_SYMBOLS = ("pmg_cuda_stats", "pmg_cuda_targets", "pmg_wgrad_cuda_c",
-                           "pmg_wgrad_cuda_ex")
+EXPORTED_C_SYMBOLS = (
+    "pmg_cpu_bf16_path",
+    "pmg_cpu_gemm_backend",
+    "pmg_cpu_isa",
+    "pmg_cpu_thread_scratch_bytes",
+    "pmg_fast_module",
+    "pmg_has_cuda",
+    "pmg_wgrad_cpu_c",
+)
+EXPORTED_CUDA_C_SYMBOLS = (
+    "pmg_cuda_stats",
+    "pmg_cuda_targets",
+    "pmg_wgrad_cuda_c",
+    "pmg_wgrad_cuda_ex",
+)
 
 # -g0: no debug information.  Python's sysconfig puts -g into every extension's compile line; for
 # this op it was a third of the compile time (Paddle's headers are large) and most of the library's
@@ -93,8 +121,11 @@ def nvcc_flags(targets=DEFAULT_TARGETS) -> list:
     """nvcc flags for our .cu: the targets' -gencode flags, and the targets recorded in the
     binary (``-DPMG_CUDA_TARGETS=sm_80+sm_90+compute_90``), so that the core can refuse a GPU
     they do not cover with a clear error before it writes anything."""
-    return (["-O3", "-std=c++17", CUDA_DEFINE] + gencode_flags(targets)
-            + [f"-DPMG_CUDA_TARGETS={'+'.join(targets)}"])
+    return (
+        ["-O3", "-std=c++17", CUDA_DEFINE]
+        + gencode_flags(targets)
+        + [f"-DPMG_CUDA_TARGETS={'+'.join(targets)}"]
+    )
 
 
 def covers(targets, capability: int) -> bool:
@@ -157,8 +188,10 @@ def csrc_dir() -> str:
 def _pip_hint(component: str, major) -> str:
     """How to install one missing CUDA component (NVIDIA's wheel names differ per major)."""
     if component == "nvcc":
-        return ("install the CUDA toolkit (nvcc) and set CUDA_HOME to it (NVIDIA's "
-                "nvidia-cuda-nvcc-cu12 wheel has no nvcc binary)")
+        return (
+            "install the CUDA toolkit (nvcc) and set CUDA_HOME to it (NVIDIA's "
+            "nvidia-cuda-nvcc-cu12 wheel has no nvcc binary)"
+        )
     pkg = {"cublasLt": "cublas", "cudart": "cuda-runtime", "thrust": "cuda-cccl"}[component]
     if major is None:
         return f"install the CUDA toolkit's {component}"
@@ -185,8 +218,11 @@ def _wheel_roots(search_paths):
 
 
 def _toolkit_lib_dirs(home):
-    return [d for d in (os.path.join(home, s) for s in ("lib64", "lib", "targets/x86_64-linux/lib"))
-            if os.path.isdir(d)]
+    return [
+        d
+        for d in (os.path.join(home, s) for s in ("lib64", "lib", "targets/x86_64-linux/lib"))
+        if os.path.isdir(d)
+    ]
 
 
 def toolkit_version(home, nvcc=None, run=subprocess.run):
@@ -220,13 +256,13 @@ class CudaToolkit:
     """What :func:`find_cuda` found: one CUDA release, or what is missing."""
 
     def __init__(self):
-        self.home = None          # CUDA_HOME for nvcc / Paddle's JIT (``home/bin/nvcc``)
+        self.home = None  # CUDA_HOME for nvcc / Paddle's JIT (``home/bin/nvcc``)
         self.nvcc = None
-        self.version = None       # (major, minor)
-        self.include_dirs = []    # beyond home/include: wheels' include, cccl
-        self.libs = {}            # component -> library file (e.g. cublasLt -> .../libcublasLt.so.13)
-        self.missing = []         # one entry per missing component: "what (how to install)"
-        self.source = {}          # component -> where it came from (for logs)
+        self.version = None  # (major, minor)
+        self.include_dirs = []  # beyond home/include: wheels' include, cccl
+        self.libs = {}  # component -> library file (e.g. cublasLt -> .../libcublasLt.so.13)
+        self.missing = []  # one entry per missing component: "what (how to install)"
+        self.source = {}  # component -> where it came from (for logs)
 
     @property
     def major(self):
@@ -240,8 +276,11 @@ class CudaToolkit:
         """One line naming exactly what is missing and how to install it ('' when complete)."""
         if not self.missing:
             return ""
-        where = f"CUDA {self.version[0]}.{self.version[1]} at {self.home}" if self.version and \
-            self.home else "no CUDA toolkit"
+        where = (
+            f"CUDA {self.version[0]}.{self.version[1]} at {self.home}"
+            if self.version and self.home
+            else "no CUDA toolkit"
+        )
         return f"{where}: missing " + "; ".join(self.missing)
 
     def lib_dirs(self):
@@ -257,16 +296,21 @@ class CudaToolkit:
     def link_args(self, components=CUDA_LIBS):
         """g++/ld flags: -L, -l (by file name for versioned-only libraries) and rpaths."""
         dirs = list(dict.fromkeys(os.path.dirname(self.libs[c]) for c in components))
-        return ([f"-L{d}" for d in dirs] + [self._link_name(c) for c in components]
-                + [f"-Wl,-rpath,{d}" for d in dirs])
+        return (
+            [f"-L{d}" for d in dirs]
+            + [self._link_name(c) for c in components]
+            + [f"-Wl,-rpath,{d}" for d in dirs]
+        )
 
     def nvcc_link_args(self, components=CUDA_LIBS):
         """The same for an nvcc link line (nvcc rejects a bare ``-l:``; pass it to the linker)."""
         dirs = list(dict.fromkeys(os.path.dirname(self.libs[c]) for c in components))
         names = [self._link_name(c) for c in components]
-        return ([f"-L{d}" for d in dirs]
-                + [n if not n.startswith("-l:") else f"-Xlinker={n}" for n in names]
-                + [f"-Xlinker=-rpath,{d}" for d in dirs])
+        return (
+            [f"-L{d}" for d in dirs]
+            + [n if not n.startswith("-l:") else f"-Xlinker={n}" for n in names]
+            + [f"-Xlinker=-rpath,{d}" for d in dirs]
+        )
 
     def link_shims(self, components=("cudart",)):
         """{unversioned name: real file} for libraries that others link as ``-lNAME`` but that
@@ -284,8 +328,12 @@ class CudaToolkit:
             return None
         if not hasattr(self, "_codes"):
             try:
-                out = run([self.nvcc, "--list-gpu-code"], capture_output=True, text=True,
-                          timeout=60).stdout or ""
+                out = (
+                    run(
+                        [self.nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=60
+                    ).stdout
+                    or ""
+                )
                 self._codes = frozenset(re.findall(r"\bsm_\w+", out)) or None
             except (OSError, subprocess.SubprocessError):
                 self._codes = None
@@ -322,8 +370,14 @@ def _find_header_lib(comp, header, lib_glob, home, major, roots):
     return None, None, None, mismatch
 
 
-def find_cuda(search_paths=None, environ=None, which=shutil.which, need_thrust=False,
-              run=subprocess.run, default_home="/usr/local/cuda") -> CudaToolkit:
+def find_cuda(
+    search_paths=None,
+    environ=None,
+    which=shutil.which,
+    need_thrust=False,
+    run=subprocess.run,
+    default_home="/usr/local/cuda",
+) -> CudaToolkit:
     """Find one consistent CUDA release for building the CUDA part (see the module docstring).
 
     ``need_thrust``: the host compiler needs ``thrust/complex.h`` (Paddle 2.6's
@@ -336,23 +390,32 @@ def find_cuda(search_paths=None, environ=None, which=shutil.which, need_thrust=F
 
     def is_toolkit(home):
         inc = os.path.join(home or "", "include")
-        return bool(home) and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK) and (
-            os.path.exists(os.path.join(inc, "cuda_runtime_api.h"))
-            or os.path.exists(os.path.join(inc, "crt", "host_config.h")))
+        return (
+            bool(home)
+            and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK)
+            and (
+                os.path.exists(os.path.join(inc, "cuda_runtime_api.h"))
+                or os.path.exists(os.path.join(inc, "crt", "host_config.h"))
+            )
+        )
 
     explicit = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
     if explicit:
         if not is_toolkit(explicit):
-            tk.missing.append(f"nvcc: CUDA_HOME/CUDA_PATH={explicit} has no bin/nvcc and CUDA headers "
-                              f"({_pip_hint('nvcc', None)})")
+            tk.missing.append(
+                f"nvcc: CUDA_HOME/CUDA_PATH={explicit} has no bin/nvcc and CUDA headers "
+                f"({_pip_hint('nvcc', None)})"
+            )
             return tk
         tk.home = explicit
     else:
         cands = []
         found = which("nvcc")
         if found:
-            cands += [os.path.dirname(os.path.dirname(found)),
-                      os.path.dirname(os.path.dirname(os.path.realpath(found)))]
+            cands += [
+                os.path.dirname(os.path.dirname(found)),
+                os.path.dirname(os.path.dirname(os.path.realpath(found))),
+            ]
         cands.append(default_home)
         cands += roots  # a wheel that ships nvcc (nvidia/*/bin/nvcc), if any ever does
         tk.home = next((c for c in dict.fromkeys(cands) if is_toolkit(c)), None)
@@ -362,8 +425,10 @@ def find_cuda(search_paths=None, environ=None, which=shutil.which, need_thrust=F
     tk.nvcc = os.path.join(tk.home, "bin", "nvcc")
     tk.version = toolkit_version(tk.home, tk.nvcc, run=run)
     major = tk.major
-    for comp, header, lib_glob in (("cudart", "cuda_runtime.h", "libcudart.so*"),
-                                   ("cublasLt", "cublasLt.h", "libcublasLt.so*")):
+    for comp, header, lib_glob in (
+        ("cudart", "cuda_runtime.h", "libcudart.so*"),
+        ("cublasLt", "cublasLt.h", "libcublasLt.so*"),
+    ):
         inc, lib, where, mismatch = _find_header_lib(comp, header, lib_glob, tk.home, major, roots)
         if lib is None:
             what = f"{comp} ({header}, lib{comp}.so) for CUDA {major}"
@@ -383,8 +448,10 @@ def find_cuda(search_paths=None, environ=None, which=shutil.which, need_thrust=F
                 if os.path.exists(os.path.join(d, "thrust", "complex.h")):
                     hit = hit or d
         if hit is None:
-            tk.missing.append(f"thrust (thrust/complex.h, needed by Paddle's headers): "
-                              f"{_pip_hint('thrust', major)}")
+            tk.missing.append(
+                f"thrust (thrust/complex.h, needed by Paddle's headers): "
+                f"{_pip_hint('thrust', major)}"
+            )
         else:
             tk.source["thrust"] = hit
             if hit != os.path.join(tk.home, "include"):

@@ -11,6 +11,7 @@ package reads through these functions (never a replaced function it compares aga
 an override is in effect the fast paths step aside (:data:`overridden` is not None), so every
 call takes the checked path, where the faked answers are used.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -115,8 +116,10 @@ def override(place=None, tier=None):
     if tier is not None and tier not in TIERS:
         raise ValueError(f"override: tier must be one of {', '.join(TIERS)}, got {tier!r}")
     if isinstance(place, str):
+
         def place(t, where=place):
             return where
+
     outer = overridden
     if outer is not None:
         place = outer.place if place is None else place

@@ -7,6 +7,7 @@ built), Paddle's own ``_C_ops.fused_linear_param_grad_add`` (``paddle-fused``), 
 pure-Paddle reference (:mod:`._reference`).  A strided ``dweight``/``dbias`` is computed in a
 contiguous copy and written back into the view.
 """
+
 from __future__ import annotations
 
 from .._compat import paddle
@@ -37,8 +38,11 @@ def tier_for(x, dweight, dbias, multi_precision, has_bias, dout=None) -> str:
     if gpu == "paddle-fused":
         # Paddle's kernel computes M = x.numel() / K: K = 0 divides by zero (SIGFPE), and an
         # MoE expert that got no tokens (M = 0) is a zero-size GEMM; the reference is exact.
-        N = dout.shape[-1] if dout is not None else (
-            dweight.shape[-1] if dweight is not None else 1)
+        N = (
+            dout.shape[-1]
+            if dout is not None
+            else (dweight.shape[-1] if dweight is not None else 1)
+        )
         if 0 in list(x.shape) + [N]:
             return "python"
         # Paddle's op wants MPType accumulators with multi_precision, else the input dtype
@@ -59,7 +63,8 @@ def _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias):
     d2 = dout.reshape([-1, dout.shape[-1]]) if len(dout.shape) != 2 else dout
     with paddle.no_grad():
         dw, db = _C_ops.fused_linear_param_grad_add(
-            x2, d2, dweight, dbias if has_bias else None, bool(multi_precision), bool(has_bias))
+            x2, d2, dweight, dbias if has_bias else None, bool(multi_precision), bool(has_bias)
+        )
     for given, got in ((dweight, dw), (dbias if has_bias else None, db)):
         if given is not None and got is not None and got.data_ptr() != given.data_ptr():
             paddle.assign(got, output=given)
@@ -78,8 +83,9 @@ def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias):
     # K = 0 or N = 0: a zero-size [K, N] result, which Paddle 2.6's custom-op runtime rejects
     # as "not initialized"; the reference handles it without a GEMM.
     if module is None or 0 in (x.shape[-1], dout.shape[-1]):
-        return _reference.fused_linear_param_grad_add(x, dout, dweight, dbias,
-                                                      multi_precision, has_bias)
+        return _reference.fused_linear_param_grad_add(
+            x, dout, dweight, dbias, multi_precision, has_bias
+        )
     if devices.is_cpu(x):
         check_cpu_knobs(_dtype_name(x.dtype))
     x, dout = _contiguous(x), _contiguous(dout)
@@ -92,8 +98,9 @@ def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias):
     return dw, (dbias if dbias is not None else db)
 
 
-def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precision=True,
-                                has_bias=True):
+def fused_linear_param_grad_add(
+    x, dout, dweight=None, dbias=None, multi_precision=True, has_bias=True
+):
     """Accumulate a linear layer's weight (and bias) gradient in place.
 
     ``dweight += x2ᵀ · dout2`` and ``dbias += Σ_rows dout2`` where ``x2``/``dout2``
@@ -107,8 +114,7 @@ def fused_linear_param_grad_add(x, dout, dweight=None, dbias=None, multi_precisi
     """
     multi_precision = _inputs.flag("multi_precision", multi_precision)
     has_bias = _inputs.flag("has_bias", has_bias)
-    done = fast_cpu_call(x, dout, dweight, dbias if has_bias else None, multi_precision,
-                         has_bias)
+    done = fast_cpu_call(x, dout, dweight, dbias if has_bias else None, multi_precision, has_bias)
     if done is not None:
         return done
     _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
@@ -131,8 +137,9 @@ def accumulate_checked(x, dout, dweight, dbias, multi_precision, has_bias, x_nam
     """:func:`fused_linear_param_grad_add` for callers that pass real bools (our linears'
     backward) and may know ``x``'s dtype name already (one pybind call fewer); the same checks,
     results and errors."""
-    done = fast_cpu_call(x, dout, dweight, dbias if has_bias else None, multi_precision,
-                         has_bias, x_name)
+    done = fast_cpu_call(
+        x, dout, dweight, dbias if has_bias else None, multi_precision, has_bias, x_name
+    )
     if done is not None:
         return done
     return fused_linear_param_grad_add(x, dout, dweight, dbias, multi_precision, has_bias)

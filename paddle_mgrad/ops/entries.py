@@ -14,6 +14,7 @@ faked answers are used on the checked path only), and while an environment knob 
 reads for the call's dtype is invalid (:func:`check_cpu_knobs`: the checked path raises its
 EnvError after the input checks).
 """
+
 from __future__ import annotations
 
 from .._compat import paddle, run_custom_op, tracer as _tracer
@@ -26,9 +27,11 @@ _dtype_name = _inputs.dtype_name
 
 #: the environment knobs the C++ CPU op reads, per input dtype (checked per call: tests and
 #: users may change them after import; the op checks them again itself)
-_CPU_KNOBS = {"bfloat16": ("PADDLE_MGRAD_CPU_BF16", "PADDLE_MGRAD_CPU_CHUNK_ROWS"),
-              "float16": ("PADDLE_MGRAD_CPU_CHUNK_ROWS",),
-              "float64": ("PADDLE_MGRAD_CPU_FP64_KERNEL",)}
+_CPU_KNOBS = {
+    "bfloat16": ("PADDLE_MGRAD_CPU_BF16", "PADDLE_MGRAD_CPU_CHUNK_ROWS"),
+    "float16": ("PADDLE_MGRAD_CPU_CHUNK_ROWS",),
+    "float64": ("PADDLE_MGRAD_CPU_FP64_KERNEL",),
+}
 
 _RAW = {"run": None, "for": None}  # the raw runner, for which loaded module
 
@@ -129,19 +132,22 @@ def fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=Non
     # the op library's fast entry (no custom-op dispatch, no autograd node); None when it has
     # none or refused the call before writing: then the op's own call, which raises
     fast = _loaded["fast"]
-    done = None if fast is None else fast.wgrad_add(x, dout, dweight, dbias, multi_precision,
-                                                    has_bias)
+    done = (
+        None if fast is None else fast.wgrad_add(x, dout, dweight, dbias, multi_precision, has_bias)
+    )
     if done is not None:
         _, dw, db = done  # (None for an accumulator passed in: handed back below)
     else:
         try:
             if _tracer()._has_grad:
                 with paddle.no_grad():
-                    dw, db = run("pmg_fused_wgrad_add", x, dout, dweight, dbias,
-                                 multi_precision, has_bias)
+                    dw, db = run(
+                        "pmg_fused_wgrad_add", x, dout, dweight, dbias, multi_precision, has_bias
+                    )
             else:  # a backward pass (or no_grad already): nothing to switch
-                dw, db = run("pmg_fused_wgrad_add", x, dout, dweight, dbias, multi_precision,
-                             has_bias)
+                dw, db = run(
+                    "pmg_fused_wgrad_add", x, dout, dweight, dbias, multi_precision, has_bias
+                )
         except Exception:
             _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)  # our error text
             raise

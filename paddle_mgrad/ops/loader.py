@@ -10,6 +10,7 @@ build, the kernel registry or ``is_compiled_with_cuda`` again: those are slow qu
 :func:`cuda_fallback_reason` and :func:`cpu_info` report it.  Tests change a settled fact for a
 block with :func:`settled`, and reload from a stubbed build inside :func:`unloaded`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,11 +25,22 @@ _lock = threading.Lock()
 #: what :func:`load` settled, read by the dispatch and the fast entries on every call; written
 #: only by :func:`load`, :func:`settled` and :func:`unloaded` (updated in place: readers hold
 #: the dict itself)
-state = {"module": None, "backend": None, "why": None, "cpu": None, "gpu": None,
-         "cuda_why": None, "fast": None}
-_GEMM_NAMES = {"cpp-onednn": "C++ op, oneDNN GEMM", "cpp-portable": "C++ op, OpenMP GEMM",
-               "python": "pure-Paddle fallback", "cuda": "paddle_mgrad CUDA op (cuBLASLt)",
-               "paddle-fused": "Paddle's _C_ops.fused_linear_param_grad_add"}
+state = {
+    "module": None,
+    "backend": None,
+    "why": None,
+    "cpu": None,
+    "gpu": None,
+    "cuda_why": None,
+    "fast": None,
+}
+_GEMM_NAMES = {
+    "cpp-onednn": "C++ op, oneDNN GEMM",
+    "cpp-portable": "C++ op, OpenMP GEMM",
+    "python": "pure-Paddle fallback",
+    "cuda": "paddle_mgrad CUDA op (cuBLASLt)",
+    "paddle-fused": "Paddle's _C_ops.fused_linear_param_grad_add",
+}
 
 
 def _paddle_has_gpu_fused_op() -> bool:
@@ -62,8 +74,12 @@ def load():
         cuda_paddle = paddle.is_compiled_with_cuda()
         if env_get("PADDLE_MGRAD_OPS") == "python":
             gpu = "python" if cuda_paddle else None
-            state.update(cpu="python", gpu=gpu, backend=_compose("python", gpu),
-                         why="PADDLE_MGRAD_OPS=python")
+            state.update(
+                cpu="python",
+                gpu=gpu,
+                backend=_compose("python", gpu),
+                why="PADDLE_MGRAD_OPS=python",
+            )
             return None
         module = None
         try:
@@ -79,7 +95,9 @@ def load():
             warnings.warn(
                 "paddle_mgrad: the C++ fused weight-gradient op could not be built, using the "
                 f"pure-Paddle fallback (same results, slower). Reason: {state['why']}",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
         gpu = None
         if has_cuda:
             gpu = "cuda"
@@ -89,10 +107,12 @@ def load():
                 warnings.warn(
                     f"paddle_mgrad: CUDA part of the fused weight-gradient op not built ({cuda_why}); "
                     f"CPU tensors use the C++ op ({cpu}), GPU tensors use "
-                    f"{_GEMM_NAMES[gpu]}", RuntimeWarning, stacklevel=3)
+                    f"{_GEMM_NAMES[gpu]}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         _set_fast(getattr(module, "__pmg_fast__", None))
-        state.update(module=module, cpu=cpu, gpu=gpu, cuda_why=cuda_why,
-                     backend=_compose(cpu, gpu))
+        state.update(module=module, cpu=cpu, gpu=gpu, cuda_why=cuda_why, backend=_compose(cpu, gpu))
         return state["module"]
 
 
@@ -137,8 +157,10 @@ def cuda_fallback_reason():
 def describe() -> str:
     """One log line: what runs where (for trainer/env activation logs)."""
     load()
-    line = (f"paddle_mgrad fused weight-gradient op [{state['backend']}]: "
-            f"CPU: {_GEMM_NAMES[state['cpu']]}")
+    line = (
+        f"paddle_mgrad fused weight-gradient op [{state['backend']}]: "
+        f"CPU: {_GEMM_NAMES[state['cpu']]}"
+    )
     if state["why"]:
         line += f" ({state['why'][:200]})"
     if state["gpu"] is not None:
@@ -148,8 +170,7 @@ def describe() -> str:
     return line
 
 
-_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
-              "amx_tile")
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def cpu_info() -> dict:
@@ -182,8 +203,12 @@ def cpu_info() -> dict:
         return {"isa": isa, "native_bf16": None, "bf16_path": "python", "bf16_exact_fallbacks": 0}
     info = module.pmg_backend_info(paddle.zeros([1])).numpy()
     path = {1: "onednn-bf16", 0: "widen-sgemm"}.get(int(info[3]), "invalid PADDLE_MGRAD_CPU_BF16")
-    return {"isa": isa, "native_bf16": bool(info[2]), "bf16_path": path,
-            "bf16_exact_fallbacks": int(info[4])}
+    return {
+        "isa": isa,
+        "native_bf16": bool(info[2]),
+        "bf16_path": path,
+        "bf16_exact_fallbacks": int(info[4]),
+    }
 
 
 _FACTS = ("module", "fast", "cpu", "gpu", "why", "cuda_why")

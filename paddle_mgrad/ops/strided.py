@@ -5,6 +5,7 @@ A ``dweight``/``dbias`` may be a strided view into a flat gradient buffer.  Padd
 runner would hand the C++ op a contiguous temporary and drop what it wrote, so the checked path
 computes into a copy from :func:`contiguous` and writes it back into the view.
 """
+
 from __future__ import annotations
 
 from .._compat import paddle

@@ -14,6 +14,7 @@ Where things are:
 * :mod:`.tensors` -- small helpers shared by both implementations;
 * :mod:`.to_static` -- recompute under ``paddle.jit.to_static`` runs as dygraph.
 """
+
 from ..errors import RecomputeError
 from .api import recompute
 

@@ -6,6 +6,7 @@ We restore the tracer fields directly instead of re-entering
 what the forward ran under, while the tracer fields are exactly what the op
 dispatcher reads.
 """
+
 from __future__ import annotations
 
 import contextlib

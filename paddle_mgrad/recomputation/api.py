@@ -1,4 +1,5 @@
 """The public entry point, :func:`recompute`, and the trampoline Paddle's ``recompute`` runs."""
+
 from __future__ import annotations
 
 from .. import env
@@ -27,13 +28,22 @@ def determinism_check_mode(value=None):
         return env.get(ENV_DETERMINISM_CHECK)
     mode = {"default": "shapes"}.get(str(value).strip().lower(), str(value).strip().lower())
     if mode not in DETERMINISM_CHECKS:
-        raise ValueError(f"determinism_check={value!r}: expected one of "
-                         f"{', '.join(DETERMINISM_CHECKS)}")
+        raise ValueError(
+            f"determinism_check={value!r}: expected one of {', '.join(DETERMINISM_CHECKS)}"
+        )
     return mode
 
 
-def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offload_indices=(),
-              determinism_check=None, policy=None, **kwargs):
+def recompute(
+    function,
+    *args,
+    use_reentrant=True,
+    preserve_rng_state=True,
+    offload_indices=(),
+    determinism_check=None,
+    policy=None,
+    **kwargs,
+):
     """Run ``function(*args, **kwargs)`` without keeping its activations for backward.
 
     Drop-in for ``paddle.distributed.fleet.utils.recompute`` (same arguments,
@@ -81,8 +91,9 @@ def recompute(function, *args, use_reentrant=True, preserve_rng_state=True, offl
     if not tracer()._has_grad:
         return function(*args, **kwargs)
     if use_reentrant:
-        return recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
-                                   check, chosen)
+        return recompute_reentrant(
+            function, preserve_rng_state, offload_indices, args, kwargs, check, chosen
+        )
     if offload_indices:
         raise ValueError("offload_indices is only supported with use_reentrant=True (as in Paddle)")
     return recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check, chosen)

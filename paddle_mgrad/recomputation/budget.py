@@ -26,6 +26,7 @@ on a CPU attention's softmax and the elementwise ops weigh more), so it is measu
 ``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
 to what no recompute keeps.
 """
+
 from __future__ import annotations
 
 import threading
@@ -124,8 +125,11 @@ class Planner:
     def _choose(self, kind):
         calls = kind.calls
         budget = self.fraction * kind.block_bytes / calls
-        order = sorted(kind.names, key=lambda n: _per_byte(kind.seconds[n] or 0.0,
-                                                           kind.bytes[n] / calls), reverse=True)
+        order = sorted(
+            kind.names,
+            key=lambda n: _per_byte(kind.seconds[n] or 0.0, kind.bytes[n] / calls),
+            reverse=True,
+        )
         chosen, taken = set(), 0.0
         for name in order:
             cost = kind.bytes[name] / calls
@@ -138,11 +142,14 @@ class Planner:
 
     def _report(self, kind):
         calls = kind.calls
-        return {"chosen": list(kind.chosen),
-                "budget_bytes": int(self.fraction * kind.block_bytes / calls),
-                "block_bytes": kind.block_bytes // calls,
-                "measured": {n: {"seconds": kind.seconds[n], "bytes": kind.bytes[n] // calls}
-                             for n in kind.names}}
+        return {
+            "chosen": list(kind.chosen),
+            "budget_bytes": int(self.fraction * kind.block_bytes / calls),
+            "block_bytes": kind.block_bytes // calls,
+            "measured": {
+                n: {"seconds": kind.seconds[n], "bytes": kind.bytes[n] // calls} for n in kind.names
+            },
+        }
 
 
 def _per_byte(seconds, nbytes):

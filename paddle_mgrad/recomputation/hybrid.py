@@ -27,6 +27,7 @@ Paddle, tuple outputs that are not floating point are returned with
 ``pp_layers.py`` imported through ``paddle.incubate.distributed.fleet`` runs
 this too.
 """
+
 from __future__ import annotations
 
 from .. import stats
@@ -67,9 +68,10 @@ class _HybridStash(_reentrant.Offload):
                 if numel == 0 or numel % n:
                     raise ValueError(
                         f"recompute_hybrid(partition=True): activation {list(t.shape)} "
-                        f"({numel} elements) is not divisible by mp_degree {n}")
+                        f"({numel} elements) is not divisible by mp_degree {n}"
+                    )
                 part = numel // n
-                t = t.detach().flatten()[part * rank:part * (rank + 1)].clone()
+                t = t.detach().flatten()[part * rank : part * (rank + 1)].clone()
             if self.offload:
                 t = t.cpu()
             t.stop_gradient = state
@@ -96,8 +98,9 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
     """Drop-in for ``paddle.distributed.fleet.recompute.recompute_hybrid`` (see module doc)."""
     mp_group = ctx.get("mp_group", None)
     if mp_group is None:
-        raise ValueError("recompute_hybrid: ctx must contain 'mp_group' (a Group), got "
-                         f"keys {sorted(ctx)}")
+        raise ValueError(
+            f"recompute_hybrid: ctx must contain 'mp_group' (a Group), got keys {sorted(ctx)}"
+        )
     if not paddle.in_dynamic_mode():
         raise RuntimeError("recompute_hybrid works in dynamic (dygraph) mode only")
     stats.bump(stats.recompute, "hybrid")
@@ -106,20 +109,22 @@ def recompute_hybrid(ctx, function, *args, **kwargs):
     if not tracer()._has_grad:
         outputs = function(*args, **kwargs)
     elif not any_needs_grad((args, kwargs)) or (
-            policy is not None and not stash.offload and not stash.partition):
+        policy is not None and not stash.offload and not stash.partition
+    ):
         # No argument needs a gradient (a first stage behind frozen embeddings): the
         # PyLayer would get no grad node and the block's parameters no gradient, so it
         # runs non-reentrant (reentrant module docstring); offload/partition concern
         # saved inputs, and these are kept as they are.  A recompute policy runs there too
         # (:mod:`.policy`), unless offload/partition asked for the reentrant engine.
         stats.bump(stats.recompute, "reentrant_as_non_reentrant")
-        outputs = _non_reentrant.run(function, True, args, kwargs, determinism_check_mode(),
-                                     policy)
+        outputs = _non_reentrant.run(function, True, args, kwargs, determinism_check_mode(), policy)
     else:
         layout, tensors, call_kwargs, anchor = _reentrant._prepare(
-            function, args, kwargs, "recompute_hybrid")
-        outputs = _reentrant.run(function, True, stash, layout, tensors, call_kwargs, anchor,
-                                 determinism_check_mode())
+            function, args, kwargs, "recompute_hybrid"
+        )
+        outputs = _reentrant.run(
+            function, True, stash, layout, tensors, call_kwargs, anchor, determinism_check_mode()
+        )
     if is_tensor(outputs) or isinstance(outputs, dict):
         return outputs
     outputs = tuple(outputs)

@@ -48,6 +48,7 @@ The fingerprints live on the frame and die with it.  Hook
 callbacks never raise (an exception thrown through Paddle's C++ hook call loses
 its type); they record the problem and it is raised right after.
 """
+
 from __future__ import annotations
 
 import math
@@ -107,8 +108,7 @@ class _Frame:
         # what the block's policy keeps from its forward (:mod:`.policy`); None: full
         self.policy = policy
         self.kept = None if policy is None else policy.kept_outputs()
-        self.sublayers = None if policy is None else policy.saved_sublayers(function, args,
-                                                                            kwargs)
+        self.sublayers = None if policy is None else policy.saved_sublayers(function, args, kwargs)
         self.replaying = False  # inside rerun()
         self.cursor = 0  # rerun(): the index of the next saved tensor
         self.check = check  # "shapes", "values" or "none"
@@ -142,8 +142,7 @@ class _Frame:
         if not kept and self.sublayers is not None and self.sublayers.depth:
             # saved by a sublayer the policy does not recompute: kept as it is (a detached
             # alias: a tensor made inside the graph held from it would hold its own node)
-            holder = _Holder(len(self.specs), True, detached_view(x), for_op,
-                             x._inplace_version())
+            holder = _Holder(len(self.specs), True, detached_view(x), for_op, x._inplace_version())
             self.specs.append(spec(x))
             self.holders.append(weakref.ref(holder))
             return holder
@@ -188,7 +187,8 @@ class _Frame:
             f"{self.policy.name!r}, has been modified by an inplace operation after the forward "
             f"saved it: its inplace version is {holder.value._inplace_version()}, the forward "
             f"saved version {holder.version}; its gradient would be wrong (without recompute "
-            "Paddle refuses this too). Compute that change out of place.")
+            "Paddle refuses this too). Compute that change out of place."
+        )
         _errors.record(e)  # Paddle's engine re-raises it as OSError
         raise e
 
@@ -208,9 +208,14 @@ class _Frame:
             self.prints.clear()
         if self.policy is not None:
             saved = 0 if changed or self.sublayers is None else self._saved_bytes()
-            _policy.forward_done(self.policy, self.kept, self.sublayers,
-                                 recomputed=not changed, saved_bytes=saved,
-                                 activation_bytes=activations)
+            _policy.forward_done(
+                self.policy,
+                self.kept,
+                self.sublayers,
+                recomputed=not changed,
+                saved_bytes=saved,
+                activation_bytes=activations,
+            )
         if changed:
             holders = self.holders
             for index, x in pending:
@@ -246,14 +251,19 @@ class _Frame:
         holder, the frame's arguments) it would hold that node itself, a cycle through C++.
         The block is never recomputed then (:meth:`forward_done`), so the arguments are not
         needed, and kept holders get aliases."""
-        changed = {id(t) for t, v in zip(self.arg_tensors, self.arg_versions)
-                   if t._inplace_version() != v}
+        changed = {
+            id(t) for t, v in zip(self.arg_tensors, self.arg_versions) if t._inplace_version() != v
+        }
         if changed:
             self.args = self.kwargs = None
             for ref in self.holders:
                 holder = ref()
-                if holder is not None and holder.kept and id(holder.value) in changed \
-                        and not is_parameter(holder.value):
+                if (
+                    holder is not None
+                    and holder.kept
+                    and id(holder.value) in changed
+                    and not is_parameter(holder.value)
+                ):
                     holder.value = detached_view(holder.value)
         return changed
 
@@ -265,8 +275,9 @@ class _Frame:
 
     # -- backward ----------------------------------------------------------
     def _check_arguments_unchanged(self):
-        check_arguments_unchanged(self.function, iter_tensors((self.args, self.kwargs)),
-                                  self.arg_versions)
+        check_arguments_unchanged(
+            self.function, iter_tensors((self.args, self.kwargs)), self.arg_versions
+        )
 
     def rerun(self):
         """Re-run the function; store a view of each recomputed tensor for its holder."""
@@ -290,11 +301,13 @@ class _Frame:
                 return None
             x_spec = spec(x) if check_shapes or UNPACK_MOVES_HOLDER else None
             if check_shapes and x_spec != specs[i]:
-                want = "None" if specs[i] is None else (
-                    f"shape={list(specs[i][0])}, dtype={specs[i][1]}")
+                want = (
+                    "None"
+                    if specs[i] is None
+                    else (f"shape={list(specs[i][0])}, dtype={specs[i][1]}")
+                )
                 problems.append(
-                    f"saved tensor #{i}: forward saved {want}, "
-                    f"recomputation saved {describe(x)}"
+                    f"saved tensor #{i}: forward saved {want}, recomputation saved {describe(x)}"
                 )
                 return None
             holder = holders[i]()
@@ -313,10 +326,11 @@ class _Frame:
             _policy.rewind(kept, sublayers)
         self.replaying = True
         try:
-            with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(True), \
-                    _hooks.hooks(inner_pack, inner_unpack), \
-                    _recomputing.running(inner_pack, kept), \
-                    _saved_sublayers.running(sublayers, self):
+            with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(
+                True
+            ), _hooks.hooks(inner_pack, inner_unpack), _recomputing.running(
+                inner_pack, kept
+            ), _saved_sublayers.running(sublayers, self):
                 self.function(*self.args, **self.kwargs)
         finally:
             self.replaying = False
@@ -353,7 +367,7 @@ def _value_problems(prints, recomputed):
     fingerprint, description)].  One device-to-host copy for all of them."""
     idx = [i for i, _, _ in recomputed]
     both = paddle.stack([prints[i][1] for i in idx] + [fp for _, fp, _ in recomputed]).numpy()
-    fwd, rec = both[:len(idx)], both[len(idx):]
+    fwd, rec = both[: len(idx)], both[len(idx) :]
     problems = []
     for k, (i, _, desc) in enumerate(recomputed):
         field = fingerprint_mismatch(fwd[k], rec[k])
@@ -361,14 +375,16 @@ def _value_problems(prints, recomputed):
             problems.append(
                 f"saved tensor #{i} (forward name {prints[i][0]!r}; recomputed {desc}) has "
                 f"different values: {FINGERPRINT_FIELDS[field]} {fwd[k][field]!r} in the forward, "
-                f"{rec[k][field]!r} in recomputation")
+                f"{rec[k][field]!r} in recomputation"
+            )
             if len(problems) == 3:
                 break
     return problems
 
 
-def recompute_non_reentrant(function, preserve_rng_state, args, kwargs, check="shapes",
-                            policy=None):
+def recompute_non_reentrant(
+    function, preserve_rng_state, args, kwargs, check="shapes", policy=None
+):
     """Run ``function`` under hooks that drop activations and keep parameters."""
     stats.bump(stats.recompute, "non_reentrant")
     return run(function, preserve_rng_state, args, kwargs, check, policy)
@@ -387,8 +403,9 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes", policy=None)
         # unpack hook), and a tensor made inside the graph held there holds its grad node -- a
         # reference cycle through C++ that no garbage collector sees.
         try:
-            with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(None, frame.kept), \
-                    _saved_sublayers.running(frame.sublayers, frame):
+            with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(
+                None, frame.kept
+            ), _saved_sublayers.running(frame.sublayers, frame):
                 outputs = function(*args, **kwargs)
         except BaseException:
             frame.forward_failed()

@@ -27,6 +27,7 @@ set_bit_generator``) -- snapshots are numpy's own ``get_state()`` tuples and are
 ``set_state()``: slower, the same states.  Reads and writes hold the bit generator's lock, as
 numpy's draws do.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -67,8 +68,10 @@ class _Snapshot:
 
 def _read_cache(rs, layout):
     base = id(rs)
-    return (ctypes.c_int.from_address(base + layout.has_gauss).value,
-            ctypes.c_double.from_address(base + layout.gauss).value)
+    return (
+        ctypes.c_int.from_address(base + layout.has_gauss).value,
+        ctypes.c_double.from_address(base + layout.gauss).value,
+    )
 
 
 def _read(rs, layout):
@@ -92,8 +95,11 @@ def _only_offset(samples, fmt, values):
     """The one aligned offset at which each bytes sample holds its value packed as ``fmt``,
     or None when there is none or more than one."""
     size = struct.calcsize(fmt)
-    found = [off for off in range(0, len(samples[0]) - size + 1, size)
-             if all(struct.unpack_from(fmt, s, off)[0] == v for s, v in zip(samples, values))]
+    found = [
+        off
+        for off in range(0, len(samples[0]) - size + 1, size)
+        if all(struct.unpack_from(fmt, s, off)[0] == v for s, v in zip(samples, values))
+    ]
     return found[0] if len(found) == 1 else None
 
 
@@ -150,8 +156,11 @@ def _fast_layout(rs):
         except Exception:  # noqa: BLE001 -- any surprise: numpy's own functions
             _layout = None
     layout = _layout
-    if (layout is None or type(rs) is not layout.rs_type
-            or type(rs._bit_generator) is not layout.mt_type):
+    if (
+        layout is None
+        or type(rs) is not layout.rs_type
+        or type(rs._bit_generator) is not layout.mt_type
+    ):
         return None
     return layout
 

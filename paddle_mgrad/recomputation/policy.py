@@ -35,6 +35,7 @@ runs non-reentrant (same gradients; what else changes: limits.md), except with
 ``offload_indices`` or ``recompute_hybrid``'s ``offload``/``partition``, which keep full
 reentrant recompute.
 """
+
 from __future__ import annotations
 
 import math
@@ -98,8 +99,15 @@ class Policy:
     def _asks(self, x, weight, y) -> bool:
         out_shape = tuple(y.shape)
         k = x.shape[-1]
-        call = GemmCall("gemm", weight, tuple(x.shape), out_shape, str(y.dtype),
-                        2 * math.prod(out_shape) * k, math.prod(out_shape) * y.element_size())
+        call = GemmCall(
+            "gemm",
+            weight,
+            tuple(x.shape),
+            out_shape,
+            str(y.dtype),
+            2 * math.prod(out_shape) * k,
+            math.prod(out_shape) * y.element_size(),
+        )
         return bool(self.chooser(call))
 
 
@@ -133,16 +141,23 @@ def resolve(value: Union[None, str, Callable] = None) -> Optional[Policy]:
     policy = _NAMED.get(name)
     if policy is None:
         if name.startswith("budget:"):
-            policy = Policy(name, gemm=False,
-                            planner=_budget.Planner(name, env.budget_fraction(name)))
+            policy = Policy(
+                name, gemm=False, planner=_budget.Planner(name, env.budget_fraction(name))
+            )
         else:
             policy = Policy(name, gemm=False, patterns=env.save_patterns(name))
         policy = _NAMED.setdefault(name, policy)
     return policy
 
 
-def forward_done(policy: Policy, kept: Optional[KeptOutputs], sublayers, recomputed: bool,
-                 saved_bytes: int, activation_bytes: int = 0):
+def forward_done(
+    policy: Policy,
+    kept: Optional[KeptOutputs],
+    sublayers,
+    recomputed: bool,
+    saved_bytes: int,
+    activation_bytes: int = 0,
+):
     """A block's forward under ``policy`` returned: drop what cannot be handed back (all of it
     when the block will not be ``recomputed``), count the call; a ``budget:`` policy's
     measuring call reports what it measured (``activation_bytes``: the block's)."""
@@ -160,8 +175,13 @@ def forward_done(policy: Policy, kept: Optional[KeptOutputs], sublayers, recompu
     if sublayers is not None:
         kept_sublayers = sublayers.kept
         kept_bytes += saved_bytes + sublayers.held_bytes()
-    stats.bump_policy(policy.name, calls=1, kept_outputs=kept_outputs, kept_bytes=kept_bytes,
-                      sublayers_kept=kept_sublayers)
+    stats.bump_policy(
+        policy.name,
+        calls=1,
+        kept_outputs=kept_outputs,
+        kept_bytes=kept_bytes,
+        sublayers_kept=kept_sublayers,
+    )
 
 
 def rewind(kept: Optional[KeptOutputs], sublayers):
@@ -175,7 +195,9 @@ def rewind(kept: Optional[KeptOutputs], sublayers):
 def record_replay(policy: Policy, kept: Optional[KeptOutputs], sublayers):
     """Count one recomputation of a block under ``policy`` (after it ran)."""
     stats.bump_policy(
-        policy.name, replays=1,
+        policy.name,
+        replays=1,
         gemms_not_recomputed=0 if kept is None else kept.skipped,
         gemm_flops_not_recomputed=0 if kept is None else kept.skipped_flops,
-        sublayers_not_recomputed=0 if sublayers is None else sublayers.skipped)
+        sublayers_not_recomputed=0 if sublayers is None else sublayers.skipped,
+    )

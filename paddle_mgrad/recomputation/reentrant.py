@@ -43,6 +43,7 @@ backward.  A difference (the re-run's gradients would belong to other values
 than the ones the rest of the model used) raises :class:`RecomputeError`.
 ``"shapes"`` and ``"none"`` check nothing here (as Paddle's reentrant mode).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -140,9 +141,14 @@ def _output_specs(outputs):
 def _show(specs):
     if specs is None:
         return "a non-tensor"
-    return "[" + ", ".join(
-        f"Tensor(shape={list(s[0])}, dtype={s[1]})" if isinstance(s, tuple) else s
-        for s in specs) + "]"
+    return (
+        "["
+        + ", ".join(
+            f"Tensor(shape={list(s[0])}, dtype={s[1]})" if isinstance(s, tuple) else s
+            for s in specs
+        )
+        + "]"
+    )
 
 
 def _output_prints(outputs):
@@ -156,10 +162,14 @@ def _check_outputs(function, forward, recomputed):
     """Raise RecomputeError if the re-run's outputs differ from the forward's."""
     problems = []
     if [k for k, _, _ in forward] != [k for k, _, _ in recomputed]:
-        problems.append(f"the forward returned tensors at positions {[k for k, _, _ in forward]}, "
-                        f"recomputation at {[k for k, _, _ in recomputed]}")
+        problems.append(
+            f"the forward returned tensors at positions {[k for k, _, _ in forward]}, "
+            f"recomputation at {[k for k, _, _ in recomputed]}"
+        )
     else:
-        pairs = [(f, r) for f, r in zip(forward, recomputed) if f[2] is not None and r[2] is not None]
+        pairs = [
+            (f, r) for f, r in zip(forward, recomputed) if f[2] is not None and r[2] is not None
+        ]
         if pairs:
             both = paddle.stack([f[2] for f, _ in pairs] + [r[2] for _, r in pairs]).numpy()
             for j, (f, _) in enumerate(pairs):
@@ -168,12 +178,15 @@ def _check_outputs(function, forward, recomputed):
                     problems.append(
                         f"output #{f[0]} (forward name {f[1]!r}) has different values: "
                         f"{FINGERPRINT_FIELDS[field]} {both[j][field]!r} in the forward, "
-                        f"{both[len(pairs) + j][field]!r} in recomputation")
+                        f"{both[len(pairs) + j][field]!r} in recomputation"
+                    )
     if problems:
         err = RecomputeError(
             f"recompute({function_name(function)}, use_reentrant=True) is not deterministic: "
-            + "; ".join(problems) + ". Gradients would be wrong. Make the block depend only on "
-            "its inputs (use preserve_rng_state=True for dropout, avoid data-dependent branches).")
+            + "; ".join(problems)
+            + ". Gradients would be wrong. Make the block depend only on "
+            "its inputs (use preserve_rng_state=True for dropout, avoid data-dependent branches)."
+        )
         _errors.record(err)  # Paddle's engine re-raises it as OSError
         raise err
 
@@ -194,7 +207,8 @@ def _check_inputs_unchanged(function, tensors, versions):
                 "A reentrant recompute re-runs the block in backward from the changed value, so "
                 "its gradients would be wrong. Use use_reentrant=False (paddle_mgrad then keeps "
                 "this block's activations from the forward), clone the argument inside the "
-                "block before changing it, or move the in-place op out of the block.")
+                "block before changing it, or move the in-place op out of the block."
+            )
 
 
 def _reuse_error(layer):
@@ -204,7 +218,8 @@ def _reuse_error(layer):
         "PyLayer releases its context after its first backward, so running it again crashes the "
         "process (plain Paddle's reentrant recompute segfaults here); paddle_mgrad stops first. "
         "Use use_reentrant=False (it supports retain_graph and a second backward), or run the "
-        "forward again before each backward().")
+        "forward again before each backward()."
+    )
 
 
 def _fresh_outputs(outputs, tensors):
@@ -243,8 +258,9 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
     segfault Paddle's released context gives (autograd_passes module doc)."""
 
     @staticmethod
-    def forward(ctx, run_function, preserve_rng_state, stash, layout, kwargs, check, n_tensors,
-                *tensors):
+    def forward(
+        ctx, run_function, preserve_rng_state, stash, layout, kwargs, check, n_tensors, *tensors
+    ):
         ctx.run_function = run_function
         ctx.kwargs = kwargs
         ctx.layout = layout
@@ -280,7 +296,8 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         ctx.save_for_backward(*saved)
         # last: the block's own PyLayers (our fused linears) took their guards already
         autograd_passes.stash_guard(
-            ctx, f"recompute({function_name(run_function)}, use_reentrant=True)", _reuse_error)
+            ctx, f"recompute({function_name(run_function)}, use_reentrant=True)", _reuse_error
+        )
         return outputs
 
     @staticmethod
@@ -300,8 +317,11 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
                 outputs = ctx.run_function(*run_args, **ctx.kwargs)
         finally:
             t._has_grad = has_grad
-        if ctx.dict_keys is not None and isinstance(outputs, dict) \
-                and list(outputs) == ctx.dict_keys:
+        if (
+            ctx.dict_keys is not None
+            and isinstance(outputs, dict)
+            and list(outputs) == ctx.dict_keys
+        ):
             outputs = tuple(outputs.values())
         specs = _output_specs(outputs) if ctx.output_specs is not None else None
         if specs != ctx.output_specs:
@@ -309,7 +329,8 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
                 f"recompute({function_name(ctx.run_function)}) is not deterministic: the forward "
                 f"returned {_show(ctx.output_specs)}, recomputation returned {_show(specs)}. "
                 "Gradients would be wrong. Make the block depend "
-                "only on its inputs (dropout: keep preserve_rng_state=True).")
+                "only on its inputs (dropout: keep preserve_rng_state=True)."
+            )
             _errors.record(err)
             raise err
         if ctx.prints is not None:
@@ -393,7 +414,8 @@ def _prepare(function, args, kwargs, what):
     layout = [_encode(a, tensors) for a in flat]
     anchor = []
     if any(not p.stop_gradient for p in _params_in(layout)) and not any(
-            not t.stop_gradient for t in tensors):
+        not t.stop_gradient for t in tensors
+    ):
         # Parameters bypass the PyLayer; keep its outputs differentiable.
         a = paddle.zeros([1])
         a.stop_gradient = False
@@ -401,13 +423,19 @@ def _prepare(function, args, kwargs, what):
     return layout, tensors, call_kwargs, anchor
 
 
-def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, anchor,
-        check="shapes"):
+def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, anchor, check="shapes"):
     """Apply the PyLayer (shared with :mod:`.hybrid`)."""
     _errors.install()  # RecomputeError from backward keeps its type
     outputs = _ReentrantRecompute.apply(
-        function, preserve_rng_state, stash, layout, call_kwargs, check, len(tensors),
-        *tensors, *anchor,
+        function,
+        preserve_rng_state,
+        stash,
+        layout,
+        call_kwargs,
+        check,
+        len(tensors),
+        *tensors,
+        *anchor,
     )
     if stash.dict_keys is not None:
         outputs = (outputs,) if is_tensor(outputs) else outputs
@@ -415,8 +443,9 @@ def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, ancho
     return outputs
 
 
-def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwargs,
-                        check="shapes", policy=None):
+def recompute_reentrant(
+    function, preserve_rng_state, offload_indices, args, kwargs, check="shapes", policy=None
+):
     """Paddle's PyLayer recompute, with parameter arguments routed around the PyLayer."""
     if not any_needs_grad((args, kwargs)) or (policy is not None and not offload_indices):
         # Nothing passed in needs a gradient, so the PyLayer would get no differentiable
@@ -429,11 +458,13 @@ def recompute_reentrant(function, preserve_rng_state, offload_indices, args, kwa
         return _non_reentrant.run(function, preserve_rng_state, args, kwargs, check, policy)
     stats.bump(stats.recompute, "reentrant")
     layout, tensors, call_kwargs, anchor = _prepare(
-        function, args, kwargs, "recompute(use_reentrant=True)")
+        function, args, kwargs, "recompute(use_reentrant=True)"
+    )
     offload = []
     for i in offload_indices:
         if layout[i][0] != "tensor":
             raise ValueError(f"offload_indices: argument {i} is not a (non-parameter) tensor")
         offload.append(layout[i][1])
-    return run(function, preserve_rng_state, Offload(offload), layout, tensors, call_kwargs,
-               anchor, check)
+    return run(
+        function, preserve_rng_state, Offload(offload), layout, tensors, call_kwargs, anchor, check
+    )

@@ -21,6 +21,7 @@ never interleave their random draws (uncontended in a single thread).  Random
 ops *outside* recompute in other threads still share the generators, as in
 Paddle.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +60,17 @@ def _tracker():
 class RNGState:
     """A snapshot of all generators; ``restored()`` replays it temporarily."""
 
-    __slots__ = ("cpu", "device_kind", "device", "device_state", "tracker",
-                 "numpy", "python", "custom", "_custom_set")
+    __slots__ = (
+        "cpu",
+        "device_kind",
+        "device",
+        "device_state",
+        "tracker",
+        "numpy",
+        "python",
+        "custom",
+        "_custom_set",
+    )
 
     def __init__(self):
         self.cpu = core.default_cpu_generator().get_state()

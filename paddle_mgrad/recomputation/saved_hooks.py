@@ -55,6 +55,7 @@ tells the pack hook that the tensors come from a PyLayer (on 2.6 the C++ side
 of an ordinary op *moves* the buffer out of whatever the unpack hook returns, so
 only PyLayer saves may be given back as the original object).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -165,7 +166,8 @@ class _Epoch:
             raise RuntimeError(
                 f"Tensor '{t.name}' used in gradient computation has been modified by an "
                 f"inplace operation. Its version is {t._inplace_version()} but the expected "
-                f"version is {packed.version}.")
+                f"version is {packed.version}."
+            )
         # (2.6 moves the buffer out of what we return: give it its own DenseTensor)
         return buffer_sharing_tensor(t) if UNPACK_MOVES_HOLDER else t
 
@@ -211,11 +213,15 @@ def _paddle2_refuse_threads():
     if state["other"] is not None and not state["other"].is_alive():
         state["other"] = None
     if state["owner"] is not me:
-        why = (f"thread {state['owner'].name!r} ran it first (one thread per process, until "
-               "that thread ends or paddle_mgrad.disable())")
+        why = (
+            f"thread {state['owner'].name!r} ran it first (one thread per process, until "
+            "that thread ends or paddle_mgrad.disable())"
+        )
     elif state["other"] is not None and state["other"] is not me:
-        why = (f"thread {state['other'].name!r} also records autograd (it saved tensors "
-               "while a recompute ran)")
+        why = (
+            f"thread {state['other'].name!r} also records autograd (it saved tensors "
+            "while a recompute ran)"
+        )
     else:
         return
     raise RecomputeError(
@@ -223,7 +229,8 @@ def _paddle2_refuse_threads():
         "On Paddle 2.6 non-reentrant recompute needs saved-tensor hooks, which are "
         "process-wide and read without a lock, so installing and removing them while another "
         "thread runs Paddle ops can crash the process (Paddle's own recompute too). Use "
-        "use_reentrant=True in threads (no hooks), keep autograd in one thread, or Paddle 3.x.")
+        "use_reentrant=True in threads (no hooks), keep autograd in one thread, or Paddle 3.x."
+    )
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ number of saved tensors before it: the determinism check then speaks).  A tensor
 saved and that an in-place op changed afterwards raises in backward, as without recompute
 (:meth:`.non_reentrant._Frame.unpack`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,9 +110,11 @@ def _match_below(root, patterns):
         if any(path.startswith(p + ".") for p in inside):
             continue  # runs inside a matched sublayer
         name = type(layer).__name__
-        if any(fnmatch.fnmatchcase(name, p) or (path and (
-                fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, "*." + p)))
-               for p in patterns):
+        if any(
+            fnmatch.fnmatchcase(name, p)
+            or (path and (fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, "*." + p)))
+            for p in patterns
+        ):
             found.append(layer)
             if not path:  # the block's Layer itself: the whole block
                 break
@@ -138,7 +141,9 @@ def matching(patterns, function, args, kwargs):
             f"recompute policy save:{','.join(patterns)} matches no sublayer of the block "
             f"{function_name(function)}: it is recomputed whole (patterns are compared with "
             "the class names and attribute paths of the sublayers of the Layer the block runs)",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return tuple(found)
 
 
@@ -159,8 +164,13 @@ def _map(obj, fn):
     """``obj`` with ``fn`` applied to every leaf (tuples, lists, dict values descended)."""
     if isinstance(obj, (list, tuple)):
         mapped = [_map(o, fn) for o in obj]
-        return mapped if isinstance(obj, list) else type(obj)(mapped) \
-            if type(obj) is tuple else type(obj)(*mapped)
+        return (
+            mapped
+            if isinstance(obj, list)
+            else type(obj)(mapped)
+            if type(obj) is tuple
+            else type(obj)(*mapped)
+        )
     if isinstance(obj, dict):
         return type(obj)((k, _map(v, fn)) for k, v in obj.items())
     return fn(obj)
@@ -194,8 +204,17 @@ class Sublayers:
     counted (``costs``: the activations its ops save, and its tensor outputs), by the name
     ``measure.names`` gives it; ``measure.done`` gets them when the block's forward ends."""
 
-    __slots__ = ("layers", "ids", "regions", "depth", "cursor", "skipped", "measure", "times",
-                 "costs")
+    __slots__ = (
+        "layers",
+        "ids",
+        "regions",
+        "depth",
+        "cursor",
+        "skipped",
+        "measure",
+        "times",
+        "costs",
+    )
 
     def __init__(self, layers, measure=None):
         self.layers = layers
@@ -252,16 +271,24 @@ class Sublayers:
         seconds = time.perf_counter() - t0
         name = self.measure.names[id(layer)]
         self.times[name] = self.times.get(name, 0.0) + seconds
-        self.costs[name] = self.costs.get(name, 0) + frame.activation_bytes(start) + sum(
-            math.prod(t.shape) * t.element_size() for t in iter_tensors(out))
+        self.costs[name] = (
+            self.costs.get(name, 0)
+            + frame.activation_bytes(start)
+            + sum(math.prod(t.shape) * t.element_size() for t in iter_tensors(out))
+        )
         return out
 
     def _replay(self, frame, layer, forward, args, kwargs):
         i = self.cursor
         self.cursor += 1
         region = self.regions[i] if i < len(self.regions) else None
-        if region is None or region.layer is not layer or region.outputs is None or \
-                frame.cursor != region.start or not region.unchanged():
+        if (
+            region is None
+            or region.layer is not layer
+            or region.outputs is None
+            or frame.cursor != region.start
+            or not region.unchanged()
+        ):
             self.depth += 1
             try:
                 return forward(*args, **kwargs)
@@ -271,8 +298,12 @@ class Sublayers:
         if region.rng is not None:
             region.rng.apply()
         self.skipped += 1
-        return _map(region.outputs, lambda h: replayed_output(h.tensor.detach(), h.stop_gradient)
-                    if isinstance(h, _Held) else h)
+        return _map(
+            region.outputs,
+            lambda h: (
+                replayed_output(h.tensor.detach(), h.stop_gradient) if isinstance(h, _Held) else h
+            ),
+        )
 
     # -- bookkeeping ------------------------------------------------------------
     def rewind(self):
@@ -288,8 +319,12 @@ class Sublayers:
         return sum(r.outputs is not None for r in self.regions)
 
     def held_bytes(self) -> int:
-        return sum(math.prod(h.tensor.shape) * h.tensor.element_size()
-                   for r in self.regions if r.outputs is not None for h in r.held)
+        return sum(
+            math.prod(h.tensor.shape) * h.tensor.element_size()
+            for r in self.regions
+            if r.outputs is not None
+            for h in r.held
+        )
 
 
 # -- the wrappers ----------------------------------------------------------------

@@ -1,4 +1,5 @@
 """Small tensor helpers shared by both recompute implementations."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +52,8 @@ def check_arguments_unchanged(function, tensors, versions):
                 f"{describe(t)} has been modified by an inplace operation after the block "
                 f"was called (inplace version {t._inplace_version()}, {v} at the call); "
                 "recomputation would start from the changed value and the gradients would "
-                "be wrong. Change a copy of it, or change it after backward.")
+                "be wrong. Change a copy of it, or change it after backward."
+            )
             _errors.record(err)  # Paddle's engine re-raises it as OSError
             raise err
 
@@ -90,8 +92,12 @@ def buffer_sharing_tensor(t, t_spec=None):
 
 
 # -- value fingerprints (determinism_check="values") ---------------------------
-FINGERPRINT_FIELDS = ("sum", "sum of squares", "position-weighted sample sum",
-                      "non-finite pattern of the sample")
+FINGERPRINT_FIELDS = (
+    "sum",
+    "sum of squares",
+    "position-weighted sample sum",
+    "non-finite pattern of the sample",
+)
 _SAMPLE = 1024  # elements in the strided sample
 _weights: dict = {}  # (place, n) -> n fixed pseudo-random float32 weights (tiny, shared)
 # stand-ins for the non-finite values of the sample (field 3): distinct, finite, and
@@ -108,8 +114,7 @@ def _sample_weights(n, place):
         # {2, 3}) would have equal fingerprints -- common on small masks (the recompute
         # fuzzer found it)
         rs = np.random.RandomState(0x5EED + n)
-        w = _weights[key] = paddle.to_tensor(rs.uniform(1.0, 2.0, n).astype("float32"),
-                                             place=place)
+        w = _weights[key] = paddle.to_tensor(rs.uniform(1.0, 2.0, n).astype("float32"), place=place)
     return w
 
 
@@ -140,8 +145,12 @@ def fingerprint(t):
         w = _sample_weights(sample.shape[0], flat.place).astype(flat.dtype)
         finite = paddle.nan_to_num(sample, nan=_NAN, posinf=_POSINF, neginf=_NEGINF)
         finite = paddle.where(paddle.isfinite(sample), paddle.zeros_like(sample), finite)
-        parts = [flat.sum(), paddle.matmul(flat, flat), paddle.matmul(sample, w),
-                 paddle.matmul(finite, w)]
+        parts = [
+            flat.sum(),
+            paddle.matmul(flat, flat),
+            paddle.matmul(sample, w),
+            paddle.matmul(finite, w),
+        ]
         return paddle.stack([p.reshape([]) for p in parts]).astype("float64")
 
 

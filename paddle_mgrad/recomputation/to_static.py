@@ -16,6 +16,7 @@ inside it -- runs as dygraph under SOT exactly as Paddle's does.
 ``full_graph=True`` (the AST translator) is unaffected: there ``recompute`` sees static
 mode and hands the block to Paddle's static recompute, as before.
 """
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ error (asserted, and ours must raise the same type and message).  Scenarios that
 crashed the process before the fix (hooks on Paddle 2.6, a second backward) run in a
 subprocess, which must not end by a signal.
 """
+
 import functools
 import json
 import os
@@ -89,16 +90,19 @@ def _both(scenario, *args, recompute=False):
 def _in_child(name, modes):
     """Run ``_child(name, modes)`` in a fresh interpreter (once per session): for each mode,
     ``{"plain": ..., "ours": ...}``.  The child must not end by a signal."""
-    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {TESTS!r}, {HERE!r}]; import zlib; "
-            f"import test_autograd_parity as t; t._child({name!r}, {modes!r})")
+    code = (
+        f"import sys; sys.path[:0] = [{ROOT!r}, {TESTS!r}, {HERE!r}]; import zlib; "
+        f"import test_autograd_parity as t; t._child({name!r}, {modes!r})"
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PADDLE_MGRAD", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
     assert r.returncode >= 0, (f"killed by signal {-r.returncode}", r.stderr[-3000:])
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _child(name, modes):
@@ -142,7 +146,9 @@ def _params_state(net):
     for p in net.parameters():
         out[p.name.split(".")[-1] + "@" + str(len(out))] = {
             "grad": _np(p.grad),
-            "main_grad": _np(getattr(p, "main_grad", None)) if hasattr(p, "main_grad") else "absent",
+            "main_grad": _np(getattr(p, "main_grad", None))
+            if hasattr(p, "main_grad")
+            else "absent",
         }
     return out
 
@@ -170,7 +176,7 @@ def _grad_scenario(wrt, before, create_graph, bias, act):
     x.clear_gradient()
     before_fn = stats.linear["functional_backward"]
     y = net(x)
-    loss = (y ** 2).sum()
+    loss = (y**2).sum()
     weights = [net.l1.weight, net.l2.weight]
     no_grad_vars = None
     if wrt == "x":
@@ -188,12 +194,16 @@ def _grad_scenario(wrt, before, create_graph, bias, act):
     else:  # a no_grad_vars leaf cut off (Paddle itself fails on a non-leaf one)
         inputs = [net.l2.weight, x, net.l1.weight]
         no_grad_vars = [x] if wrt == "no_grad_x" else [net.l1.weight]
-    grads = paddle.grad(loss, inputs, create_graph=create_graph, allow_unused=True,
-                        no_grad_vars=no_grad_vars)
-    result = {"grads": [_np(g) for g in grads], "state_after_grad": _params_state(net),
-              "x.grad": _np(x.grad)}
+    grads = paddle.grad(
+        loss, inputs, create_graph=create_graph, allow_unused=True, no_grad_vars=no_grad_vars
+    )
+    result = {
+        "grads": [_np(g) for g in grads],
+        "state_after_grad": _params_state(net),
+        "x.grad": _np(x.grad),
+    }
     if create_graph:  # double backward: the ordinary pass through both graphs
-        penalty = sum((g ** 2).sum() for g in grads if g is not None)
+        penalty = sum((g**2).sum() for g in grads if g is not None)
         penalty.backward()
         result["state_after_double_backward"] = _params_state(net)
         result["x.grad_after_double_backward"] = _np(x.grad)
@@ -201,8 +211,9 @@ def _grad_scenario(wrt, before, create_graph, bias, act):
     return result
 
 
-@pytest.mark.parametrize("bias,act", [(True, "tanh"), (False, "leaky_relu")],
-                         ids=["bias-tanh", "nobias-leaky_relu"])
+@pytest.mark.parametrize(
+    "bias,act", [(True, "tanh"), (False, "leaky_relu")], ids=["bias-tanh", "nobias-leaky_relu"]
+)
 @pytest.mark.parametrize("create_graph", [False, True], ids=["grad", "create_graph"])
 @pytest.mark.parametrize("before", BEFORE)
 @pytest.mark.parametrize("wrt", WRT)
@@ -226,10 +237,13 @@ def test_paddle_grad_equals_plain_paddle(wrt, before, create_graph, bias, act):
 def _wgan_gp_scenario(act, clear, main_grad, steps=3):
     """A WGAN-GP critic trained a few steps: gradient penalty via paddle.grad(create_graph)."""
     rs = np.random.RandomState(11)
-    net = paddle.nn.Sequential(paddle.nn.Linear(4, 16), paddle.nn.Tanh() if act == "tanh"
-                               else paddle.nn.LeakyReLU(0.2), paddle.nn.Linear(16, 16),
-                               paddle.nn.Tanh() if act == "tanh" else paddle.nn.LeakyReLU(0.2),
-                               paddle.nn.Linear(16, 1))
+    net = paddle.nn.Sequential(
+        paddle.nn.Linear(4, 16),
+        paddle.nn.Tanh() if act == "tanh" else paddle.nn.LeakyReLU(0.2),
+        paddle.nn.Linear(16, 16),
+        paddle.nn.Tanh() if act == "tanh" else paddle.nn.LeakyReLU(0.2),
+        paddle.nn.Linear(16, 1),
+    )
     opt = paddle.optimizer.SGD(learning_rate=0.05, parameters=net.parameters())
     if main_grad:
         from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionOptimizer
@@ -243,8 +257,8 @@ def _wgan_gp_scenario(act, clear, main_grad, steps=3):
         alpha = paddle.to_tensor(rs.uniform(size=[8, 1]).astype("float32"))
         interp = alpha * real + (1 - alpha) * fake
         interp.stop_gradient = False
-        g, = paddle.grad(net(interp).sum(), interp, create_graph=True)
-        gp = ((paddle.sqrt((g ** 2).sum(axis=1) + 1e-12) - 1) ** 2).mean()
+        (g,) = paddle.grad(net(interp).sum(), interp, create_graph=True)
+        gp = ((paddle.sqrt((g**2).sum(axis=1) + 1e-12) - 1) ** 2).mean()
         loss = net(fake).mean() - net(real).mean() + 10 * gp
         loss.backward()
         losses.append(float(loss))
@@ -278,7 +292,7 @@ def test_paddle_grad_alias_and_no_side_effect_on_fused_path():
     x = paddle.randn([5, 4])
     x.stop_gradient = False
     before = dict(stats.linear)
-    gx, = paddle.autograd.grad(lin(x).sum(), x)
+    (gx,) = paddle.autograd.grad(lin(x).sum(), x)
     np.testing.assert_allclose(gx.numpy(), np.ones([5, 3]) @ lin.weight.numpy().T, rtol=1e-5)
     assert lin.weight.main_grad is None and lin.bias.main_grad is None
     lin(x).sum().backward()
@@ -287,8 +301,17 @@ def test_paddle_grad_alias_and_no_side_effect_on_fused_path():
 
 
 # ------------------------------------------------------------------- hooks (19.2)
-HOOK_MODES = ("plain", "grad_present", "main_grad_attr", "mpl_after", "mpl_before",
-              "observe_only", "bias_only", "removed", "recompute")
+HOOK_MODES = (
+    "plain",
+    "grad_present",
+    "main_grad_attr",
+    "mpl_after",
+    "mpl_before",
+    "observe_only",
+    "bias_only",
+    "removed",
+    "recompute",
+)
 
 
 def _hooks_scenario(mode, steps=3):
@@ -337,8 +360,11 @@ def _hooks_scenario(mode, steps=3):
                 p.clear_gradient(set_to_zero=True)
         if mode == "removed" and step == 0:
             assert all(h.remove() for h in handles)
-    return {"states": states, "seen": seen,
-            "weight_grad_in_place": ptrs[-1] is not None and ptrs[-1] == ptrs[-2]}
+    return {
+        "states": states,
+        "seen": seen,
+        "weight_grad_in_place": ptrs[-1] is not None and ptrs[-1] == ptrs[-2],
+    }
 
 
 @pytest.mark.parametrize("mode", HOOK_MODES)
@@ -385,8 +411,13 @@ def test_hook_count_follows_register_and_remove():
 
 
 # ----------------------------------------------- a second backward (15, crash 3)
-RETAIN_MODES = ("retain_then_backward", "backward_twice", "retain_then_grad",
-                "retain_then_grad_through_tanh", "main_grad_retain")
+RETAIN_MODES = (
+    "retain_then_backward",
+    "backward_twice",
+    "retain_then_grad",
+    "retain_then_grad_through_tanh",
+    "main_grad_retain",
+)
 
 
 def _second_backward_scenario(mode):
@@ -458,8 +489,12 @@ def test_graph_copies_run_any_number_of_times():
         g1 = paddle.grad(y.sum(), x, retain_graph=True)[0]
         g2 = paddle.grad(y.sum(), [x, lin.weight], retain_graph=True)
         y.sum().backward()
-        return {"g1": _np(g1), "g2": [_np(g) for g in g2], "state": _params_state(lin),
-                "x.grad": _np(x.grad)}
+        return {
+            "g1": _np(g1),
+            "g2": [_np(g) for g in g2],
+            "state": _params_state(lin),
+            "x.grad": _np(x.grad),
+        }
 
     plain, ours = _both(scenario)
     assert "error" not in plain, plain
@@ -473,11 +508,14 @@ def _recompute_grad_scenario(reentrant, create_graph):
     l1, l2 = paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 3)
     x = paddle.to_tensor(rs.standard_normal([5, 4]).astype("float32"))
     x.stop_gradient = False
-    y = recompute(lambda t: l2(paddle.tanh(l1(t))), x, use_reentrant=reentrant,
-                  preserve_rng_state=False)
-    grads = paddle.grad((y ** 2).sum(), [x, l1.weight], create_graph=create_graph)
-    return {"grads": [_np(g) for g in grads],
-            "state": {"l1": _params_state(l1), "l2": _params_state(l2)}}
+    y = recompute(
+        lambda t: l2(paddle.tanh(l1(t))), x, use_reentrant=reentrant, preserve_rng_state=False
+    )
+    grads = paddle.grad((y**2).sum(), [x, l1.weight], create_graph=create_graph)
+    return {
+        "grads": [_np(g) for g in grads],
+        "state": {"l1": _params_state(l1), "l2": _params_state(l2)},
+    }
 
 
 @pytest.mark.parametrize("create_graph", [False, True], ids=["grad", "create_graph"])
@@ -489,8 +527,7 @@ def test_paddle_grad_through_recompute(reentrant, create_graph):
     inputs, so the weight asked for is not in the graph paddle.grad walks."""
     plain, ours = _both(_recompute_grad_scenario, reentrant, create_graph, recompute=True)
     if reentrant:
-        _same_error(ours, plain, "ValueError", "does not appear in the backward graph",
-                    "recompute")
+        _same_error(ours, plain, "ValueError", "does not appear in the backward graph", "recompute")
         return
     assert "error" not in plain, plain
     _close(ours, plain, "recompute")

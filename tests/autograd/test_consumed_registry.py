@@ -12,6 +12,7 @@ Nodes are found without ``Tensor.grad_fn`` in the forward (Paddle's getter keeps
 wraps alive for good: the forward asking it leaked a node per fused linear per step), so the
 first ``paddle.grad`` of a process finds ours by their edges: checked here too.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,12 +57,18 @@ def _child(code, *args):
     unset); it must not end by a signal and prints one ``RESULT <json>`` line: returned."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("PADDLE_MGRAD", None)
-    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                       env=env, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode >= 0, (f"killed by signal {-r.returncode}", r.stderr[-3000:])
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_registry_stays_bounded_and_a_live_consumed_node_survives_every_purge():

@@ -14,6 +14,7 @@ hook's recomputation, a PyLayer's backward): every later step then records no gr
 nothing, silently (test_plain_paddle_leaves_grad_mode_off_after_a_failed_replay says so, and
 fails if Paddle fixes it).
 """
+
 import json
 import subprocess
 import sys
@@ -105,8 +106,7 @@ Net, clean_step = _ns["Net"], _ns["clean_step"]
 @pytest.fixture(scope="module")
 def fresh_process():
     """The clean step's results in a new interpreter, per ``mode-fused``."""
-    done = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -122,8 +122,11 @@ def failing_step(mode, fail, fused=True):
     x = paddle.randn([3, D])
     x.stop_gradient = False
     with pytest.raises(Exception) as info:
-        out = net.block(x) if mode == "none" else paddle_mgrad.recompute(
-            net.block, x, use_reentrant=mode == "reentrant")
+        out = (
+            net.block(x)
+            if mode == "none"
+            else paddle_mgrad.recompute(net.block, x, use_reentrant=mode == "reentrant")
+        )
         if fail == "op_check":  # main_grad swapped for one of another shape after the forward
             net.lin.weight.main_grad = paddle.zeros([D + 1, D])
         elif fail == "linear_forward":  # not reached: the forward refused
@@ -150,8 +153,13 @@ FAILURES = {
     "op_check": (MODES, FusedLinearError, "dweight must be [K, N] = [4, 4]"),
 }
 #: (error kind, recompute mode, fused linear on): our op's check needs our op
-CASES = [(fail, mode, fused) for fail, (modes, _, _) in sorted(FAILURES.items())
-         for mode in modes for fused in (True, False) if fused or fail != "op_check"]
+CASES = [
+    (fail, mode, fused)
+    for fail, (modes, _, _) in sorted(FAILURES.items())
+    for mode in modes
+    for fused in (True, False)
+    if fused or fail != "op_check"
+]
 
 
 @pytest.mark.parametrize("fail,mode,fused", CASES)

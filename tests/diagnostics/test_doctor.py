@@ -6,6 +6,7 @@ The doctor runs as users run it: a fresh interpreter, ``python -m paddle_mgrad d
 ``paddle-mgrad`` script's form), where the ``.pth`` switch is active (tests/nlp/evidence's
 sitecustomize processes a copy, as site-packages would).
 """
+
 import glob
 import json
 import os
@@ -30,9 +31,11 @@ def run_doctor(tmp_path, *args, script=False, cache=None, pythonpath=(), **env_e
     site_dir.mkdir(exist_ok=True)
     shutil.copy(os.path.join(ROOT, "paddle_mgrad_autoload.pth"), site_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_MGRAD")}
-    env.update(PYTHONPATH=os.pathsep.join([*pythonpath, EVIDENCE, ROOT]),
-               PMG_TEST_PTH_DIR=str(site_dir),
-               PADDLE_MGRAD_CACHE=cache or os.environ.get("PADDLE_MGRAD_CACHE", ""))
+    env.update(
+        PYTHONPATH=os.pathsep.join([*pythonpath, EVIDENCE, ROOT]),
+        PMG_TEST_PTH_DIR=str(site_dir),
+        PADDLE_MGRAD_CACHE=cache or os.environ.get("PADDLE_MGRAD_CACHE", ""),
+    )
     if not env["PADDLE_MGRAD_CACHE"]:
         del env["PADDLE_MGRAD_CACHE"]
     for k, v in env_extra.items():
@@ -41,8 +44,14 @@ def run_doctor(tmp_path, *args, script=False, cache=None, pythonpath=(), **env_e
         else:
             env[k] = v
     if script:  # what pip's generated `paddle-mgrad` script does
-        cmd = [sys.executable, "-c", "import sys; sys.argv[0] = '/venv/bin/paddle-mgrad'; "
-               "from paddle_mgrad.__main__ import main; sys.exit(main())", "doctor", *args]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; sys.argv[0] = '/venv/bin/paddle-mgrad'; "
+            "from paddle_mgrad.__main__ import main; sys.exit(main())",
+            "doctor",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "paddle_mgrad", "doctor", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
@@ -75,7 +84,8 @@ def test_healthy_install(tmp_path):
     assert f["doctor"]["command_line"] and not f["doctor"]["paddle_in_process"]
     assert f["switch"]["autoload_ran_in_this_process"]  # the .pth ran; the doctor did not switch on
     assert [v["name"] for v in f["switch"]["variables"]] == ["PADDLE_MGRAD", "PADDLE_MGRAD_CACHE"][
-        :len(f["switch"]["variables"])]
+        : len(f["switch"]["variables"])
+    ]
     steps = f["probe_paddle"]["steps"]
     assert steps["paddle"]["version"] == paddle.__version__
     assert steps["paddle"]["cuda"] is paddle.is_compiled_with_cuda()
@@ -134,8 +144,9 @@ def test_cuda_paddle_missing_cublas_names_the_pip_command(tmp_path):
     """The same diagnosis on a CUDA Paddle (no CUDA wheel here: its facts, from a real CPU run
     with Paddle's CUDA flag and the op's GPU tier set as a CUDA wheel reports them): GPU tensors
     not on our CUDA op is a problem whose fix is the pip command for the missing library."""
-    tk = build_config.find_cuda(search_paths=[], environ={"CUDA_HOME": str(_fake_cuda_home(tmp_path))},
-                                need_thrust=True)
+    tk = build_config.find_cuda(
+        search_paths=[], environ={"CUDA_HOME": str(_fake_cuda_home(tmp_path))}, need_thrust=True
+    )
     assert not tk.ok and tk.major == 12
     facts = doctor.collect(timeout=600)
     assert doctor.diagnose(facts) == []
@@ -145,12 +156,21 @@ def test_cuda_paddle_missing_cublas_names_the_pip_command(tmp_path):
     op["cuda_fallback_reason"] = tk.problem()
     problems = doctor.diagnose(facts)
     assert len(problems) == 1 and problems[0]["area"] == "op", problems
-    assert "GPU tensors run Paddle's own _C_ops.fused_linear_param_grad_add" in problems[0]["problem"]
+    assert (
+        "GPU tensors run Paddle's own _C_ops.fused_linear_param_grad_add" in problems[0]["problem"]
+    )
     assert "pip install nvidia-cublas-cu12" in problems[0]["fix"]
     assert "pip install nvidia-cuda-runtime-cu12" in problems[0]["fix"]
     # PADDLE_MGRAD_NO_CUDA=1 is the user's choice, not a problem
-    facts["switch"]["variables"].append({"name": "PADDLE_MGRAD_NO_CUDA", "value": "1",
-                                         "status": "ok", "message": None, "parsed": True})
+    facts["switch"]["variables"].append(
+        {
+            "name": "PADDLE_MGRAD_NO_CUDA",
+            "value": "1",
+            "status": "ok",
+            "message": None,
+            "parsed": True,
+        }
+    )
     assert doctor.diagnose(facts) == []
 
 
@@ -158,8 +178,13 @@ def test_cuda_paddle_missing_cublas_names_the_pip_command(tmp_path):
 def test_missing_compiler(tmp_path):
     """No C++ compiler and a fresh cache: the op cannot be built; CPU tensors run the pure-Paddle
     fallback (the self-test is still exact); one problem naming the compiler and how to get one."""
-    r, d = run_doctor(tmp_path, "--json", cache=str(tmp_path / "fresh-cache"),
-                      CC="/nonexistent/cc", CXX="/nonexistent/c++")
+    r, d = run_doctor(
+        tmp_path,
+        "--json",
+        cache=str(tmp_path / "fresh-cache"),
+        CC="/nonexistent/cc",
+        CXX="/nonexistent/c++",
+    )
     assert r.returncode == 1 and d["exit_code"] == 1
     (p,) = [p for p in d["problems"] if p["area"] == "op"]
     others = [p for p in d["problems"] if p["area"] != "op"]
@@ -175,15 +200,22 @@ def test_missing_compiler(tmp_path):
     op = d["facts"]["probe_op"]["steps"]
     assert op["op"]["backends"]["cpu"] == "python"
     assert op["selftest_paddle_mgrad"]["main_grad_ok"]
-    r2, _ = run_doctor(tmp_path, cache=str(tmp_path / "fresh-cache"),
-                       CC="/nonexistent/cc", CXX="/nonexistent/c++")
+    r2, _ = run_doctor(
+        tmp_path, cache=str(tmp_path / "fresh-cache"), CC="/nonexistent/cc", CXX="/nonexistent/c++"
+    )
     op_lines = [ln for ln in problem_lines(r2.stdout) if "[op]" in ln]
     others = [ln for ln in problem_lines(r2.stdout) if "[op]" not in ln]
     (line,) = op_lines
-    assert "[op] the C++ op could not be built" in line and "->  fix: install a C++17 compiler" in line
+    assert (
+        "[op] the C++ op could not be built" in line and "->  fix: install a C++17 compiler" in line
+    )
     if paddle.is_compiled_with_cuda():  # the first run's failed CUDA build is kept, not retried
         (line,) = others
-        assert "[cache] build " in line and "failed build" in line and "->  fix: delete it: rm -rf" in line
+        assert (
+            "[cache] build " in line
+            and "failed build" in line
+            and "->  fix: delete it: rm -rf" in line
+        )
     else:
         assert others == []
     assert "compiler: /nonexistent/c++ -> NOT FOUND" in r2.stdout
@@ -227,17 +259,26 @@ def test_bad_env_values(tmp_path):
     """An invalid value, an invalid PADDLE_MGRAD (which would stop every other process at its
     first `import paddle` with exit code 2) and a misspelt name: one problem line each, with the
     fix; the probes run without them, so the rest is still checked."""
-    r, d = run_doctor(tmp_path, "--json", PADDLE_MGRAD="bogus", PADDLE_MGRAD_OPS="pyhton",
-                      PADDLE_MGRAD_CPU_BF61="native")
+    r, d = run_doctor(
+        tmp_path,
+        "--json",
+        PADDLE_MGRAD="bogus",
+        PADDLE_MGRAD_OPS="pyhton",
+        PADDLE_MGRAD_CPU_BF61="native",
+    )
     assert r.returncode == 1 and d["exit_code"] == 1
     got = {p["problem"].split("=")[0].split(" ")[0]: p for p in d["problems"]}
     assert set(got) == {"PADDLE_MGRAD", "PADDLE_MGRAD_OPS", "PADDLE_MGRAD_CPU_BF61"}, d["problems"]
     assert all(p["area"] == "environment" for p in got.values())
     assert "unknown value 'bogus'" in got["PADDLE_MGRAD"]["problem"]
-    assert got["PADDLE_MGRAD_OPS"]["problem"] == \
-        "PADDLE_MGRAD_OPS='pyhton' is not valid; accepted: auto (default) or python"
-    assert got["PADDLE_MGRAD_OPS"]["fix"] == \
-        "export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"
+    assert (
+        got["PADDLE_MGRAD_OPS"]["problem"]
+        == "PADDLE_MGRAD_OPS='pyhton' is not valid; accepted: auto (default) or python"
+    )
+    assert (
+        got["PADDLE_MGRAD_OPS"]["fix"]
+        == "export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"
+    )
     assert got["PADDLE_MGRAD_CPU_BF61"]["fix"] == "rename it to PADDLE_MGRAD_CPU_BF16"
     assert d["facts"]["probe_op"]["steps"]["selftest_paddle_mgrad"]["main_grad_ok"]
     r2, _ = run_doctor(tmp_path, PADDLE_MGRAD_OPS="pyhton", PADDLE_MGRAD_RECOMPUTE_POLICY=" Gemm")
@@ -246,7 +287,8 @@ def test_bad_env_values(tmp_path):
     assert "recompute  policy gemm (PADDLE_MGRAD_RECOMPUTE_POLICY" in r2.stdout, r2.stdout
     assert problem_lines(r2.stdout) == [
         "  problem: [environment] PADDLE_MGRAD_OPS='pyhton' is not valid; accepted: auto "
-        "(default) or python  ->  fix: export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"]
+        "(default) or python  ->  fix: export PADDLE_MGRAD_OPS=<auto (default) or python> or unset it"
+    ]
 
 
 def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
@@ -274,10 +316,14 @@ def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
     assert [p for p in doctor.diagnose({"switch": sw}) if p["area"] == "switch on"] == []
 
 
-@pytest.mark.parametrize("how,expect", [
-    ("raise ImportError('numpy.core.multiarray failed to import')", "ImportError: numpy.core"),
-    ("import ctypes; ctypes.string_at(0)", "killed by SIGSEGV"),
-], ids=["import-error", "segfault"])
+@pytest.mark.parametrize(
+    "how,expect",
+    [
+        ("raise ImportError('numpy.core.multiarray failed to import')", "ImportError: numpy.core"),
+        ("import ctypes; ctypes.string_at(0)", "killed by SIGSEGV"),
+    ],
+    ids=["import-error", "segfault"],
+)
 def test_paddle_that_does_not_import(tmp_path, how, expect):
     """A Paddle that raises or crashes at import: reported with a fix, never a crash."""
     fake = tmp_path / "fake"
@@ -294,8 +340,12 @@ def test_paddle_that_does_not_import(tmp_path, how, expect):
 def test_command_line_detection():
     """The package imports no Paddle only for its own command line."""
     assert _cli.command_line_process(["-m", "doctor"], ["py", "-m", "paddle_mgrad", "doctor"])
-    assert _cli.command_line_process(["-m", "doctor"], ["py", "-X", "dev", "-mpaddle_mgrad", "doctor"])
-    assert _cli.command_line_process(["/venv/bin/paddle-mgrad", "doctor"], ["py", "/venv/bin/paddle-mgrad"])
+    assert _cli.command_line_process(
+        ["-m", "doctor"], ["py", "-X", "dev", "-mpaddle_mgrad", "doctor"]
+    )
+    assert _cli.command_line_process(
+        ["/venv/bin/paddle-mgrad", "doctor"], ["py", "/venv/bin/paddle-mgrad"]
+    )
     assert not _cli.command_line_process(["-m", "x"], ["py", "-m", "paddle_mgrad_other", "x"])
     assert not _cli.command_line_process(["-c"], ["py", "-c", "import paddle_mgrad"])
     assert not _cli.command_line_process(["train.py"], ["py", "train.py"])
@@ -306,11 +356,23 @@ def test_command_line_detection():
 
 def test_usage_and_unknown_command(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "paddle_mgrad"], capture_output=True, text=True,
-                       env=env, cwd=str(tmp_path), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "paddle_mgrad"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=120,
+    )
     assert r.returncode == 2 and "usage: python -m paddle_mgrad doctor" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "paddle_mgrad", "doktor"], capture_output=True,
-                       text=True, env=env, cwd=str(tmp_path), timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "paddle_mgrad", "doktor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=120,
+    )
     assert r.returncode == 2 and "unknown command 'doktor'" in r.stderr
 
 
@@ -328,11 +390,15 @@ def test_a_failing_step_is_a_problem(tmp_path):
         "        def cpu_info():\n"
         "            raise RuntimeError('cpu_info broken on purpose')\n"
         "        mod.cpu_info = cpu_info\n"
-        "    m._after_import('paddle_mgrad.ops', _break)\n")
+        "    m._after_import('paddle_mgrad.ops', _break)\n"
+    )
     r, d = run_doctor(tmp_path, "--json", pythonpath=[str(broken)])
     assert r.returncode == 1
     (p,) = d["problems"]
-    assert p["area"] == "doctor" and "'cpu' failed: RuntimeError: cpu_info broken on purpose" in p["problem"]
+    assert (
+        p["area"] == "doctor"
+        and "'cpu' failed: RuntimeError: cpu_info broken on purpose" in p["problem"]
+    )
     assert "report it" in p["fix"]
 
 

@@ -1,4 +1,5 @@
 """Our op under Paddle's name: paddle._C_ops.fused_linear_param_grad_add while fused_linear is on."""
+
 import numpy as np
 import paddle
 import pytest
@@ -33,8 +34,9 @@ def test_paddle_name_runs_our_op_in_place(has_bias):
     dw, db = dw0.clone(), db0.clone()
     ptr_w, ptr_b = dw.data_ptr(), db.data_ptr()
     before = dict(stats.paddle_c_ops)
-    out_w, out_b = _C_ops.fused_linear_param_grad_add(x, dy, dw, db if has_bias else None, True,
-                                                      has_bias)
+    out_w, out_b = _C_ops.fused_linear_param_grad_add(
+        x, dy, dw, db if has_bias else None, True, has_bias
+    )
     assert stats.paddle_c_ops["ours"] == before["ours"] + 1
     assert out_w.data_ptr() == ptr_w and dw.data_ptr() == ptr_w  # accumulated in place
     ref_w, ref_b = _ref(x, dy)
@@ -46,19 +48,24 @@ def test_paddle_name_runs_our_op_in_place(has_bias):
         assert out_b is None
         np.testing.assert_array_equal(db.numpy(), db0.numpy())
     # no accumulator given: a fresh fp32 one (first micro-step)
-    fresh, _ = _C_ops.fused_linear_param_grad_add(x.astype("bfloat16"), dy.astype("bfloat16"),
-                                                  None, None, True, False)
+    fresh, _ = _C_ops.fused_linear_param_grad_add(
+        x.astype("bfloat16"), dy.astype("bfloat16"), None, None, True, False
+    )
     assert fresh.dtype == paddle.float32
-    np.testing.assert_allclose(fresh.numpy(), _ref(x.astype("bfloat16").astype("float32"),
-                                                   dy.astype("bfloat16").astype("float32"))[0],
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        fresh.numpy(),
+        _ref(x.astype("bfloat16").astype("float32"), dy.astype("bfloat16").astype("float32"))[0],
+        rtol=2e-2,
+        atol=2e-2,
+    )
 
 
 def test_bad_input_is_a_clear_error():
     paddle_mgrad.enable(recompute=False, fused_linear=True)
     with pytest.raises(paddle_mgrad.FusedLinearError, match=r"dweight must be \[K, N\]"):
-        paddle._C_ops.fused_linear_param_grad_add(paddle.randn([4, 3]), paddle.randn([4, 5]),
-                                                  paddle.zeros([5, 3]), None, True, False)
+        paddle._C_ops.fused_linear_param_grad_add(
+            paddle.randn([4, 3]), paddle.randn([4, 5]), paddle.zeros([5, 3]), None, True, False
+        )
 
 
 def test_other_places_go_to_paddles_kernel(monkeypatch):

@@ -6,6 +6,7 @@ gradient as plain Paddle's.  (PaddleNLP's Mixtral skips an idle expert instead:
 tests/nlp/test_mixtral_moe.py.)  Paddle 2.6.2's ``nn.Linear`` refuses a ``[0, K]`` input, with or
 without paddle_mgrad: asserted equal.  Plain Paddle 3.3.1's non-reentrant recompute fails on the
 zero-size activation (asserted); paddle_mgrad's does not."""
+
 import numpy as np
 import paddle
 import pytest
@@ -66,12 +67,18 @@ def _run(mode, on):
             y = moe(x, route)
         else:
             # no randomness here; Paddle 2.6's non-reentrant recompute cannot preserve CPU RNG
-            y = recompute(moe, x, route, use_reentrant=mode == "reentrant",
-                          preserve_rng_state=False)
+            y = recompute(
+                moe, x, route, use_reentrant=mode == "reentrant", preserve_rng_state=False
+            )
         (y * c).sum().backward()
         mg = idle_w.main_grad
-        record.append((None if mg is None else mg.numpy().copy(),
-                       None if mg is None else mg.data_ptr(), idle_w.grad is None))
+        record.append(
+            (
+                None if mg is None else mg.numpy().copy(),
+                None if mg is None else mg.data_ptr(),
+                idle_w.grad is None,
+            )
+        )
         if step == 1:  # what MixPrecisionOptimizer.clear_grad does between steps
             for p in moe.parameters():
                 p.main_grad.zero_()
@@ -96,8 +103,7 @@ def test_idle_expert_on_zero_rows(mode):
         # The reference is then plain Paddle without recompute (the same math).
         with pytest.raises(RuntimeError, match="Tensor not initialized yet"):
             _run(mode, on=False)
-    ref_record, ref_grads, ref_dx, _ = _run("none" if mode == "non_reentrant" else mode,
-                                            on=False)
+    ref_record, ref_grads, ref_dx, _ = _run("none" if mode == "non_reentrant" else mode, on=False)
     record, grads, dx, s = _run(mode, on=True)
     # our op ran for every expert call, the idle one's [0, K] included: 3 micro-steps x
     # (gate + EXPERTS experts) linear backwards, each weight (and bias) into main_grad

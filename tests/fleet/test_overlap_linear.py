@@ -1,6 +1,7 @@
 """fleet's overlap column linear (mp_async_allreduce) with paddle_mgrad's fused linear on:
 dW/db accumulate in place into fp32 main_grad through our op; dx is all-reduced.
 Single process, the all-reduce recorded (2-rank runs: tests/fleet/launch)."""
+
 import numpy as np
 import paddle
 import pytest
@@ -70,8 +71,7 @@ def test_main_grad_accumulated_in_place(reduced, fused_gradadd):
         x = paddle.to_tensor(x_np)
         x.stop_gradient = False
         y = _apply(mp_layers.InnerOverlapLinear, x, layer, fused_gradadd)
-        np.testing.assert_allclose(y.numpy(), x_np @ w64 + layer.bias.numpy(), rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(y.numpy(), x_np @ w64 + layer.bias.numpy(), rtol=1e-5, atol=1e-5)
         y.backward(paddle.to_tensor(dy_np))
         np.testing.assert_allclose(x.grad.numpy(), dy_np @ w64.T, rtol=1e-5, atol=1e-5)
         t, group, sync_op, task = reduced[-1]
@@ -96,8 +96,9 @@ def test_without_main_grad_returns_the_gradient(reduced):
     x = paddle.to_tensor(x_np)
     x.stop_gradient = False
     _apply(mp_layers.InnerOverlapLinear, x, layer, False).sum().backward()
-    np.testing.assert_allclose(layer.weight.grad.numpy(),
-                               x_np.T.astype("f8") @ np.ones((3, 6)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        layer.weight.grad.numpy(), x_np.T.astype("f8") @ np.ones((3, 6)), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(layer.bias.grad.numpy(), np.full(6, 3.0), rtol=1e-6)
 
 
@@ -111,8 +112,11 @@ def test_native_fused_gradadd_on_cpu():
     # CPU wheel 2.6 names it ("NotImplementedError: You set mp_fused_linear_param_grad_add=True
     # ..."); 3.3's backward engine reports only "(External)"; a CUDA wheel has the op but no
     # CPU kernel ("... fused_linear_param_grad_add` is not registered")
-    with pytest.raises(Exception, match=r"NotImplementedError: You set mp_fused_linear_param_grad_add"
-                       r"|^\(External\) $|fused_linear_param_grad_add` is not registered"):
+    with pytest.raises(
+        Exception,
+        match=r"NotImplementedError: You set mp_fused_linear_param_grad_add"
+        r"|^\(External\) $|fused_linear_param_grad_add` is not registered",
+    ):
         _apply(mp_layers.InnerOverlapLinear, x, layer, True).sum().backward()
     assert layer.weight.main_grad is None
 
@@ -132,8 +136,10 @@ def test_non_fp32_main_grad_is_refused_in_forward(reduced, which, dtype):
     x = paddle.randn([3, 8])
     x.stop_gradient = False
     stats.reset()
-    pattern = (rf"^{p.name}\.main_grad is paddle\.{dtype} \[{', '.join(map(str, p.shape))}\], "
-               r"expected float32")
+    pattern = (
+        rf"^{p.name}\.main_grad is paddle\.{dtype} \[{', '.join(map(str, p.shape))}\], "
+        r"expected float32"
+    )
     with pytest.raises(paddle_mgrad.FusedLinearError, match=pattern):
         _apply(mp_layers.InnerOverlapLinear, x, layer, True)
     assert stats.linear["overlap_forward"] == 0 and not reduced
@@ -155,9 +161,12 @@ def test_fuse_matmul_bias_without_bias_falls_back_to_linear(reduced):
     np.testing.assert_allclose(y.numpy(), x_np @ w64, rtol=1e-5, atol=1e-5)
     y.sum().backward()
     np.testing.assert_allclose(x.grad.numpy(), np.ones((2, 5, 6)) @ w64.T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(layer.weight.main_grad.numpy(),
-                               x_np.reshape(-1, 8).T.astype("f8") @ np.ones((10, 6)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        layer.weight.main_grad.numpy(),
+        x_np.reshape(-1, 8).T.astype("f8") @ np.ones((10, 6)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("wrt", ["x", "weight", "x+bias"])
@@ -176,8 +185,11 @@ def test_paddle_grad_returns_plain_gradients(reduced, wrt):
     inputs = {"x": [x], "weight": [layer.weight], "x+bias": [x, layer.bias]}[wrt]
     grads = paddle.grad((y * y).sum(), inputs)
     dy = 2 * (x_np.astype("f8") @ layer.weight.numpy().astype("f8") + layer.bias.numpy())
-    want = {"x": dy @ layer.weight.numpy().astype("f8").T, "bias": dy.sum(0),
-            "weight": x_np.T.astype("f8") @ dy}
+    want = {
+        "x": dy @ layer.weight.numpy().astype("f8").T,
+        "bias": dy.sum(0),
+        "weight": x_np.T.astype("f8") @ dy,
+    }
     for name, g in zip(wrt.split("+"), grads):
         np.testing.assert_allclose(g.numpy(), want[name], rtol=1e-5, atol=1e-4)
     assert bool(reduced) == ("x" in wrt.split("+"))  # dx all-reduced only when asked for

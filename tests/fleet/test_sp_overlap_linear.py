@@ -2,6 +2,7 @@
 ``mp_configs.sp_async_reduce_scatter``) with paddle_mgrad's fused linear on: dW/db accumulate
 in place into fp32 main_grad through our op; dx is reduce-scattered asynchronously.
 Single process: a 2-rank group whose collectives are recorded (2-rank runs: tests/fleet/launch)."""
+
 import numpy as np
 import paddle
 import pytest
@@ -14,8 +15,10 @@ from paddle_mgrad import registry, stats
 if not hasattr(spu, "SPInnerOverlapLinear"):
     # a Paddle 3 without it is a failure, not a skip
     assert paddle.__version__.startswith("2."), paddle.__version__
-    pytest.skip(f"Paddle {paddle.__version__} has no SPInnerOverlapLinear (a Paddle 3.x class)",
-                allow_module_level=True)
+    pytest.skip(
+        f"Paddle {paddle.__version__} has no SPInnerOverlapLinear (a Paddle 3.x class)",
+        allow_module_level=True,
+    )
 
 from paddle_mgrad.fleet.sp_overlap_linear import SPOverlapLinearWithGradAdd
 
@@ -64,8 +67,9 @@ def comm(monkeypatch):
 
 
 def _apply(x, layer, recompute_allgather=False, fused_gradadd=False):
-    return spu.SPInnerOverlapLinear.apply(x, layer.weight, layer.bias, False, recompute_allgather,
-                                          fused_gradadd, Group)
+    return spu.SPInnerOverlapLinear.apply(
+        x, layer.weight, layer.bias, False, recompute_allgather, fused_gradadd, Group
+    )
 
 
 def test_registry_swaps_the_class_and_restores_it():
@@ -100,8 +104,9 @@ def test_main_grad_accumulated_in_place(comm, fused_gradadd, recompute_allgather
         np.testing.assert_allclose(y.numpy(), full @ w64 + b64, rtol=1e-5, atol=1e-5)
         y.backward(paddle.to_tensor(dy_np))
         # dx: this rank's rows of dy·Wᵀ, reduce-scattered asynchronously, waited for
-        np.testing.assert_allclose(x.grad.numpy(), (dy_np.astype("f8") @ w64.T)[:S],
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            x.grad.numpy(), (dy_np.astype("f8") @ w64.T)[:S], rtol=1e-5, atol=1e-5
+        )
         out, sync_op, task = comm["rs"][-1]
         assert sync_op is False and task.waited
         if recompute_allgather:  # input re-gathered in backward, asynchronously
@@ -134,8 +139,9 @@ def test_without_main_grad_and_bias_returns_the_gradient(comm):
     x.stop_gradient = False
     _apply(x, layer).sum().backward()
     full = np.concatenate([x_np, other]).reshape(-1, H).astype("f8")
-    np.testing.assert_allclose(layer.weight.grad.numpy(), full.T @ np.ones((2 * S * B, N)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        layer.weight.grad.numpy(), full.T @ np.ones((2 * S * B, N)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_native_fused_gradadd_on_cpu(comm):
@@ -148,9 +154,11 @@ def test_native_fused_gradadd_on_cpu(comm):
     x.stop_gradient = False
     # 3.3's backward engine may report only "(External)"; a CUDA wheel has the op but no
     # CPU kernel ("... fused_linear_param_grad_add` is not registered")
-    with pytest.raises(Exception,
-                       match=r"NotImplementedError: You set mp_fused_linear_param_grad_add"
-                       r"|^\(External\) |fused_linear_param_grad_add` is not registered"):
+    with pytest.raises(
+        Exception,
+        match=r"NotImplementedError: You set mp_fused_linear_param_grad_add"
+        r"|^\(External\) |fused_linear_param_grad_add` is not registered",
+    ):
         _apply(x, layer, fused_gradadd=True).sum().backward()
     assert layer.weight.main_grad is None
 
@@ -169,8 +177,10 @@ def test_non_fp32_main_grad_is_refused_in_forward(comm, which):
     x = paddle.randn([S, B, H])
     x.stop_gradient = False
     stats.reset()
-    pattern = (rf"^{p.name}\.main_grad is paddle\.bfloat16 \[{', '.join(map(str, p.shape))}\], "
-               r"expected float32")
+    pattern = (
+        rf"^{p.name}\.main_grad is paddle\.bfloat16 \[{', '.join(map(str, p.shape))}\], "
+        r"expected float32"
+    )
     with pytest.raises(paddle_mgrad.FusedLinearError, match=pattern):
         _apply(x, layer, fused_gradadd=True)
     assert stats.linear["sp_overlap_forward"] == 0 and not comm["rs"]
@@ -192,8 +202,9 @@ def test_under_non_reentrant_recompute(comm):
     x = paddle.to_tensor(x_np)
     x.stop_gradient = False
     stats.reset()
-    y = recompute(lambda t: paddle.tanh(_apply(t, layer, fused_gradadd=True)), x,
-                  use_reentrant=False)
+    y = recompute(
+        lambda t: paddle.tanh(_apply(t, layer, fused_gradadd=True)), x, use_reentrant=False
+    )
     y.sum().backward()
     full = np.concatenate([x_np, comm["other"].numpy()]).reshape(-1, H).astype("f8")
     w64, b64 = layer.weight.numpy().astype("f8"), layer.bias.numpy().astype("f8")
@@ -224,8 +235,11 @@ def test_paddle_grad_returns_plain_gradients(comm, wrt, recompute_allgather):
     grads = paddle.grad(y.sum(), inputs)
     full = np.concatenate([x_np, other]).reshape(-1, H).astype("f8")
     w64 = layer.weight.numpy().astype("f8")
-    want = {"x": (np.ones((2 * S, B, N)) @ w64.T)[:S], "weight": full.T @ np.ones((2 * S * B, N)),
-            "bias": np.full(N, 2.0 * S * B)}
+    want = {
+        "x": (np.ones((2 * S, B, N)) @ w64.T)[:S],
+        "weight": full.T @ np.ones((2 * S * B, N)),
+        "bias": np.full(N, 2.0 * S * B),
+    }
     for name, g in zip(wrt.split("+"), grads):
         np.testing.assert_allclose(g.numpy(), want[name], rtol=1e-5, atol=1e-5)
     assert bool(comm["rs"]) == ("x" in wrt.split("+"))  # dx reduce-scattered only when asked

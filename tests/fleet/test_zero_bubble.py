@@ -2,6 +2,7 @@
 paddle_mgrad's fused linear on: ``grad_weight_fn`` accumulates into fp32 main_grad through our
 op, still when ``WeightGradStore.pop()`` runs it, and Paddle's own function is back, untouched,
 when paddle_mgrad is off.  One process; float64 references."""
+
 import importlib
 
 import numpy as np
@@ -24,8 +25,11 @@ if PADDLE2:
     with pytest.raises(ImportError):
         importlib.import_module(MODULE)
     assert ROW is not None and registry.resolve_target(ROW) is None and ROW.optional
-    pytest.skip(f"Paddle {paddle.__version__} has no {MODULE} (a Paddle 3.x module; asserted "
-                "absent, and the registry row optional)", allow_module_level=True)
+    pytest.skip(
+        f"Paddle {paddle.__version__} has no {MODULE} (a Paddle 3.x module; asserted "
+        "absent, and the registry row optional)",
+        allow_module_level=True,
+    )
 
 zb = importlib.import_module(MODULE)
 
@@ -75,15 +79,16 @@ class Block(paddle.nn.Layer):
 
 def _data(seed):
     rs = np.random.RandomState(seed)
-    return [(rs.standard_normal((B, S, K)), rs.standard_normal((B, S, N)))
-            for _ in range(MICRO)]
+    return [(rs.standard_normal((B, S, K)), rs.standard_normal((B, S, N))) for _ in range(MICRO)]
 
 
 def _float64_grads(block, data):
     """Plain Paddle in float64 on copies of the parameters: gradients summed over micro-steps,
     and each micro-step's dx."""
-    params = {n: paddle.to_tensor(p.numpy().astype("f8"), stop_gradient=False)
-              for n, p in block.named_parameters()}
+    params = {
+        n: paddle.to_tensor(p.numpy().astype("f8"), stop_gradient=False)
+        for n, p in block.named_parameters()
+    }
     dxs = []
     for x_np, c_np in data:
         x = paddle.to_tensor(x_np, stop_gradient=False)
@@ -106,9 +111,15 @@ def _run(block, data, mode, store, as_argument=False):
 
     def fn(x):
         if as_argument:  # parameters passed to the recomputed function as arguments
-            return recompute(lambda t, w, b: zb.SplitBWMatmul.apply(
-                paddle.tanh(zb.SplitBWMatmul.apply(t, w, b)), fc2.weight, fc2.bias),
-                x, fc1.weight, fc1.bias, use_reentrant=True)
+            return recompute(
+                lambda t, w, b: zb.SplitBWMatmul.apply(
+                    paddle.tanh(zb.SplitBWMatmul.apply(t, w, b)), fc2.weight, fc2.bias
+                ),
+                x,
+                fc1.weight,
+                fc1.bias,
+                use_reentrant=True,
+            )
         if mode == "none":
             return block(x)
         return recompute(block, x, use_reentrant=(mode == "reentrant"))
@@ -223,8 +234,11 @@ def test_equal_to_paddle_alone(mode, store):
         MixPrecisionLayer(block, dtype="float16")
         stats.reset()
         dxs, _ = _run(block, _data(5), mode, store)
-        out[on] = ({n: p.main_grad.numpy() for n, p in block.named_parameters()}, dxs,
-                   stats.linear["zero_bubble"])
+        out[on] = (
+            {n: p.main_grad.numpy() for n, p in block.named_parameters()},
+            dxs,
+            stats.linear["zero_bubble"],
+        )
     assert out[False][2] == 0 and out[True][2] == 2 * MICRO
     for n in out[False][0]:
         np.testing.assert_allclose(out[True][0][n], out[False][0][n], rtol=1e-6, atol=1e-6)
@@ -239,8 +253,9 @@ def test_paddles_non_reentrant_recompute_loses_dx_ours_keeps_it():
     it was saved: dx and every main_grad right."""
     paddle.seed(7)
     lin = zb.SplitBWLinear(K, N)
-    x = paddle.to_tensor(np.random.RandomState(8).standard_normal((B, K)).astype("float32"),
-                         stop_gradient=False)
+    x = paddle.to_tensor(
+        np.random.RandomState(8).standard_normal((B, K)).astype("float32"), stop_gradient=False
+    )
     recompute(lin, x, use_reentrant=False).sum().backward()
     assert x.grad is None  # Paddle's loss (a fact of Paddle 3.3.1; this line tells when it changes)
 
@@ -320,8 +335,16 @@ def _case(name, rs):
     return x, w, dy
 
 
-FALLBACKS = ["no_main_grad", "stop_gradient", "float64", "rank4", "bf16_main_grad",
-             "wrong_shape_main_grad", "mismatched_rows", "mixed_dtypes"]
+FALLBACKS = [
+    "no_main_grad",
+    "stop_gradient",
+    "float64",
+    "rank4",
+    "bf16_main_grad",
+    "wrong_shape_main_grad",
+    "mismatched_rows",
+    "mixed_dtypes",
+]
 #: the fallbacks plain Paddle itself refuses (with a ValueError): pinned, so that a comparison
 #: of two runs that both raise is the expected case and not a plain Paddle that broke
 PADDLE_REFUSES = {"wrong_shape_main_grad", "mismatched_rows", "mixed_dtypes"}
@@ -340,8 +363,11 @@ def test_everything_else_is_paddles_own(name):
         x, w, dy = _case(name, np.random.RandomState(1))
         got = _outcome(lambda x=x, w=w, dy=dy: zb.grad_weight_fn(x, w, dy))
         mg = getattr(w, "main_grad", None)
-        out[on] = (got, None if mg is None else (mg.dtype, mg.numpy().astype("f8")),
-                   None if w.grad is None else w.grad.numpy())
+        out[on] = (
+            got,
+            None if mg is None else (mg.dtype, mg.numpy().astype("f8")),
+            None if w.grad is None else w.grad.numpy(),
+        )
         assert stats.linear["zero_bubble"] == 0
     (got0, mg0, g0), (got1, mg1, g1) = out[False], out[True]
     assert got0 == got1

@@ -1,6 +1,7 @@
 """Stand-ins for what PaddleFormers 1.2.0 / Paddle 3.3.1 lack on CPU, for tests/formers only
 (never part of the package).  Each names the limitation it stands in for; test_paddleformers.py
 asserts the failure without it, so a fix upstream shows."""
+
 import paddle
 
 
@@ -12,7 +13,9 @@ def cpu_synchronize_standin():
     synchronize = paddle.device.synchronize
 
     def cpu_ok(device=None):
-        if device is None and isinstance(paddle.framework._current_expected_place_(), paddle.CPUPlace):
+        if device is None and isinstance(
+            paddle.framework._current_expected_place_(), paddle.CPUPlace
+        ):
             return None
         return synchronize(device)
 

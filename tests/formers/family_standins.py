@@ -14,6 +14,7 @@ test_families.py asserts the import failures without them, so a fix upstream sho
 
 Installed only for what is missing: a real paddlefleet / paddlefleet_ops is used as is.
 """
+
 import importlib.util
 import sys
 import types
@@ -28,8 +29,10 @@ class _NoPaddlefleetProvider:
 
     @classmethod
     def from_config(cls, config):
-        raise ImportError(f"{cls.__name__}: paddlefleet is not installed (test stand-in, "
-                          "tests/formers/family_standins.py); use the *Deprecated model classes")
+        raise ImportError(
+            f"{cls.__name__}: paddlefleet is not installed (test stand-in, "
+            "tests/formers/family_standins.py); use the *Deprecated model classes"
+        )
 
 
 def paddlefleet_import_standins():

@@ -59,6 +59,7 @@ qwen2_moe, qwen3_moe (after the Leaf Var error); llama, phi3 and deepseek_v3 pas
 Time (2 cores): ~3-4 s per family (Paddle + PaddleFormers import; the training itself
 0.3-1.2 s); the module's 14 tests 43 s in one worker, 25 s with `-n 2`.
 """
+
 import importlib.util
 import json
 import os
@@ -70,8 +71,11 @@ import numpy as np
 import pytest
 
 if importlib.util.find_spec("paddleformers") is None:
-    pytest.skip("paddleformers is not installed: the family sweep needs paddleformers==1.2.0 "
-                "(`nox -s formers` installs it with its pins)", allow_module_level=True)
+    pytest.skip(
+        "paddleformers is not installed: the family sweep needs paddleformers==1.2.0 "
+        "(`nox -s formers` installs it with its pins)",
+        allow_module_level=True,
+    )
 
 from families import CANNOT, FAMILIES  # tests/formers, next to this file
 
@@ -88,8 +92,15 @@ AFTER_ERROR = tuple(m + "_after_error" for m in RECOMPUTE_MODES)
 POLICIES = ("non_reentrant_gemm", "non_reentrant_save")  # train_family.py: the policies
 INJECTED = "injected error in a recomputation"
 # the runnable families whose modeling modules import only with family_standins.py
-NEEDS_STANDINS = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
-                  "qwen3_next"}
+NEEDS_STANDINS = {
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "qwen3_next",
+}
 
 
 def run_driver(tmp_path, what):
@@ -98,11 +109,18 @@ def run_driver(tmp_path, what):
     out = tmp_path / what
     env = script_env()
     env["PYTHONPATH"] = os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     if os.environ.get("PADDLE_MGRAD_CACHE"):  # (script_env drops it: conftest's private copy)
         env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
-    r = subprocess.run([sys.executable, DRIVER, what, str(out)], capture_output=True, text=True,
-                       env=env, timeout=600, cwd=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, DRIVER, what, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0 and (out / "result.json").is_file(), (r.stdout + r.stderr)[-6000:]
     with open(out / "result.json") as f:
         report = json.load(f)
@@ -114,8 +132,13 @@ def short(error):
     """The lines of a Paddle error that say what failed (it nests the Python error in its own
     frames; the first line is often only ``OSError: (External)``)."""
     lines = [ln.strip() for ln in error.splitlines()]
-    keep = [ln for ln in lines if re.search(r"\w(Error|Exception)\b", ln) and len(ln) > 25
-            and "Error message in backward" not in ln]
+    keep = [
+        ln
+        for ln in lines
+        if re.search(r"\w(Error|Exception)\b", ln)
+        and len(ln) > 25
+        and "Error message in backward" not in ln
+    ]
     node = [re.sub(r"[=\s]+", " ", ln).strip() for ln in lines if "Error message in backward" in ln]
     return " | ".join(keep[:2] + node[:1])[:500] or error[:500]
 
@@ -130,13 +153,17 @@ def expected_calls(family):
     the decoder layers' module passes the mode itself or not (families.py), the loss
     (nn/criterion/sft_loss.py) never does."""
     how = FAMILIES[family][4]
-    calls = {"paddleformers.nn.criterion.sft_loss": {"forced": MICRO, "passed": 0,
-                                                     "passed_other": 0}}
+    calls = {
+        "paddleformers.nn.criterion.sft_loss": {"forced": MICRO, "passed": 0, "passed_other": 0}
+    }
     if how is not None:
         module = f"paddleformers.transformers.{FAMILIES[family][0]}.modeling"
         n = MICRO * LAYERS
-        calls[module] = {"forced": n if how == "always_reentrant" else 0,
-                         "passed": n if how == "config" else 0, "passed_other": 0}
+        calls[module] = {
+            "forced": n if how == "always_reentrant" else 0,
+            "passed": n if how == "config" else 0,
+            "passed_other": 0,
+        }
     return calls
 
 
@@ -167,15 +194,19 @@ def check_mode(family, mode, r, g, ref, ref_grads):
     failed_step = mode.endswith("_after_error")  # one more micro-step ran first, and raised
     if failed_step:
         if INJECTED not in (r["injected_error"] or ""):
-            problems.append("the first micro-step did not fail with the injected error but: "
-                            + short(r["injected_error"] or "nothing raised"))
+            problems.append(
+                "the first micro-step did not fail with the injected error but: "
+                + short(r["injected_error"] or "nothing raised")
+            )
         if r["grad_enabled_after_error"] is not True:
             problems.append("grad mode OFF after the error")
     if r["grad_enabled"] is not True:
         problems.append("grad mode off after training")
     if r["no_main_grad"] or r["grad_not_none"] or r["main_grad_dtypes"] != ["paddle.float32"]:
-        problems.append(f"without main_grad: {r['no_main_grad'][:6]}, .grad set: "
-                        f"{r['grad_not_none'][:6]}, dtypes {r['main_grad_dtypes']}")
+        problems.append(
+            f"without main_grad: {r['no_main_grad'][:6]}, .grad set: "
+            f"{r['grad_not_none'][:6]}, dtypes {r['main_grad_dtypes']}"
+        )
     if r["losses"] != ref["losses"]:
         problems.append(f"losses {r['losses']} != {ref['losses']}")
     if sorted(g) != sorted(ref_grads):
@@ -191,13 +222,20 @@ def check_mode(family, mode, r, g, ref, ref_grads):
     calls = blocks + (blocks // MICRO if failed_step else 0)
     rc = r["recompute"]
     other = "non_reentrant" if base == "reentrant" else "reentrant"
-    recomputed = rc["recomputations"] >= blocks + 1 if failed_step else \
-        rc["recomputations"] == blocks
-    if not (rc[base] == calls and rc[other] == 0 and recomputed and
-            rc.get("kept_from_forward", 0) == 0 and rc["reentrant_as_non_reentrant"] == 0):
+    recomputed = (
+        rc["recomputations"] >= blocks + 1 if failed_step else rc["recomputations"] == blocks
+    )
+    if not (
+        rc[base] == calls
+        and rc[other] == 0
+        and recomputed
+        and rc.get("kept_from_forward", 0) == 0
+        and rc["reentrant_as_non_reentrant"] == 0
+    ):
         problems.append(f"recompute counters {rc} (expected {calls} {base} calls)")
-    expected = {k: {n: c * calls // blocks for n, c in v.items()}
-                for k, v in expected_calls(family).items()}
+    expected = {
+        k: {n: c * calls // blocks for n, c in v.items()} for k, v in expected_calls(family).items()
+    }
     if r["recompute_calls"] != expected:
         problems.append(f"recompute calls {r['recompute_calls']} != {expected}")
     if not failed_step and r["linear"] != ref["linear"]:
@@ -208,20 +246,28 @@ def check_mode(family, mode, r, g, ref, ref_grads):
         g = pol.get("gemm", {})
         # (qwen3_next recomputes only its loss, whose logits GEMM is a matmul, no fused linear)
         spared = FAMILIES[family][4] is not None
-        if not (g.get("calls") == calls and g.get("replays") == blocks and
-                (g.get("gemms_not_recomputed", 0) > 0) == spared and
-                (g.get("kept_bytes", 0) > 0) == spared):
+        if not (
+            g.get("calls") == calls
+            and g.get("replays") == blocks
+            and (g.get("gemms_not_recomputed", 0) > 0) == spared
+            and (g.get("kept_bytes", 0) > 0) == spared
+        ):
             problems.append(f"gemm policy counters {pol} (expected {calls} calls)")
     elif mode.endswith("_save"):
         s = pol.get(SAVE, {})
         # every decoder layer keeps its attention, and its replay skips it (the loss block
         # has none: it is replayed whole)
         layers = MICRO * LAYERS if FAMILIES[family][4] is not None else 0
-        if not (s.get("calls") == calls and s.get("replays") == blocks and
-                s.get("sublayers_not_recomputed") == layers and
-                (s.get("kept_bytes", 0) > 0) == (layers > 0)):
-            problems.append(f"save policy counters {pol} (expected {calls} calls, {layers} "
-                            "attention calls not recomputed)")
+        if not (
+            s.get("calls") == calls
+            and s.get("replays") == blocks
+            and s.get("sublayers_not_recomputed") == layers
+            and (s.get("kept_bytes", 0) > 0) == (layers > 0)
+        ):
+            problems.append(
+                f"save policy counters {pol} (expected {calls} calls, {layers} "
+                "attention calls not recomputed)"
+            )
     elif pol:
         problems.append(f"a policy ran: {pol}")
     return [f"{mode}: {p}" for p in problems]
@@ -244,8 +290,10 @@ def test_family_recompute_matches_no_recompute(tmp_path, family):
             dgrad = max(float(np.max(np.abs(g[k] - ref_grads[k]))) for k in g)
             measured.append(f"{mode} loss {dloss:.3g} main_grad {dgrad:.3g}")
     seconds = sum(r["seconds"] for r in modes.values())
-    print(f"\nMEASURED {family} vs no recompute ({report['paddle']}, paddleformers "
-          f"{report['paddleformers']}, {seconds:.2f} s of training): " + "; ".join(measured))
+    print(
+        f"\nMEASURED {family} vs no recompute ({report['paddle']}, paddleformers "
+        f"{report['paddleformers']}, {seconds:.2f} s of training): " + "; ".join(measured)
+    )
     assert not problems, f"{family}:\n  " + "\n  ".join(problems)
 
 
@@ -255,8 +303,11 @@ def test_families_that_cannot_run_on_cpu(tmp_path):
     Paddle's gaps, with paddle_mgrad off.  When one of these changes (paddlefleet published,
     a CPU kernel added), this test fails: move the family into the sweep."""
     _, report = run_driver(tmp_path, "gaps")
-    wrong = {name: report["cannot"][name] for name, spec in CANNOT.items()
-             if spec[4] not in (report["cannot"][name] or "")}
+    wrong = {
+        name: report["cannot"][name]
+        for name, spec in CANNOT.items()
+        if spec[4] not in (report["cannot"][name] or "")
+    }
     assert not wrong, wrong
     needs = {f for f, err in report["needs_standins"].items() if err is not None}
     assert needs == NEEDS_STANDINS, report["needs_standins"]

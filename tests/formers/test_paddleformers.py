@@ -28,6 +28,7 @@ CPU gap (PaddleFormers/Paddle, not ours): the Trainer calls ``paddle.device.sync
 gradient_accumulation_steps > 1, which raises on a CPU place; cpu_formers_standins.py stands in for it
 (test_cpu_gap_* asserts the failure without the stand-in, so a fix shows).
 """
+
 import json
 import os
 import re
@@ -50,13 +51,45 @@ EVIDENCE = os.path.join(HERE, "evidence")
 
 MAX_STEPS, ACCUM, LAYERS, LINEARS_PER_LAYER = 2, 2, 2, 7  # q, k, v, o, gate, up, down
 MICRO = MAX_STEPS * ACCUM
-STEPS = ["--max_steps", str(MAX_STEPS), "--gradient_accumulation_steps", str(ACCUM),
-         "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--warmup_steps", "0",
-         "--logging_steps", "1", "--save_steps", "1000", "--report_to", "none", "--seed", "42",
-         "--dataloader_num_workers", "0", "--layers", str(LAYERS)]
-ALL_FLAGS = ["--bf16", "--fp16_opt_level", "O2", "--amp_master_grad", "true",
-             "--recompute_granularity", "full", "--recompute_method", "uniform",
-             "--recompute_num_layers", "1", "--use_reentrant", "false"]
+STEPS = [
+    "--max_steps",
+    str(MAX_STEPS),
+    "--gradient_accumulation_steps",
+    str(ACCUM),
+    "--per_device_train_batch_size",
+    "2",
+    "--learning_rate",
+    "1e-3",
+    "--warmup_steps",
+    "0",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "1000",
+    "--report_to",
+    "none",
+    "--seed",
+    "42",
+    "--dataloader_num_workers",
+    "0",
+    "--layers",
+    str(LAYERS),
+]
+ALL_FLAGS = [
+    "--bf16",
+    "--fp16_opt_level",
+    "O2",
+    "--amp_master_grad",
+    "true",
+    "--recompute_granularity",
+    "full",
+    "--recompute_method",
+    "uniform",
+    "--recompute_num_layers",
+    "1",
+    "--use_reentrant",
+    "false",
+]
 NO_FLAGS = ["--amp_master_grad", "false"]  # its default is True, refused without bf16/fp16
 SYNC_ERROR = "TypeError: device should be gpu, xpu"
 # With 2 ranks PaddleFormers defaults to sharding stage1 with split_param (Paddle's
@@ -82,8 +115,14 @@ def run_script(tmp_path, name, flags, mode, nproc=1, timeout=600):
         with_evidence(env, out_dir / "audit", EVIDENCE)
     if mode == "mgrad":
         switch_on(env, tmp_path)
-    rc, out = launch([SCRIPT, "--output_dir", str(out_dir), *STEPS, *flags], out_dir, nproc,
-                     env, timeout, tmp_path)
+    rc, out = launch(
+        [SCRIPT, "--output_dir", str(out_dir), *STEPS, *flags],
+        out_dir,
+        nproc,
+        env,
+        timeout,
+        tmp_path,
+    )
     return rc, out, out_dir
 
 
@@ -102,8 +141,12 @@ def recompute_config(out_dir):
         return json.load(f)
 
 
-FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
-                  "recompute_num_layers": 1, "recompute_use_reentrant": False}
+FULL_RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+    "recompute_use_reentrant": False,
+}
 
 
 def params(out_dir):
@@ -118,8 +161,10 @@ def compare(on, off, label):
     assert sorted(a) == sorted(b)
     dl = float(np.max(np.abs(np.subtract(losses(on), losses(off)))))
     dp = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-    print(f"\nMEASURED {label} paddle {paddle.__version__} paddleformers {paddleformers.__version__}: "
-          f"losses {losses(on)} vs {losses(off)}; max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}")
+    print(
+        f"\nMEASURED {label} paddle {paddle.__version__} paddleformers {paddleformers.__version__}: "
+        f"losses {losses(on)} vs {losses(off)}; max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}"
+    )
     assert len(losses(on)) == MAX_STEPS
     np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
     for k in a:
@@ -171,17 +216,19 @@ def test_trainer_two_ranks_data_parallel(tmp_path):
     the sharding optimizer reduces main_grad): PADDLE_MGRAD=all with every flag equals plain
     Paddle with the same flags; on each rank every gradient lands in fp32 main_grad once per
     micro-step, through our op and our recompute."""
-    rc, out, on = run_script(tmp_path, "on", ALL_FLAGS + ZERO1_CPU + SMOOTH_ADAM, "mgrad",
-                             nproc=2)
+    rc, out, on = run_script(tmp_path, "on", ALL_FLAGS + ZERO1_CPU + SMOOTH_ADAM, "mgrad", nproc=2)
     assert rc == 0, out[-8000:]
     # the reference: plain Paddle with the same flags (equal to no flags in one process, see
     # test_trainer_every_flag_plain_paddle; with --amp_master_grad false, PaddleFormers 1.2.0's
     # sharding stage1 dies: "'AdamW' object has no attribute '_inner_opt'")
-    rc, out_plain, off = run_script(tmp_path, "off", ALL_FLAGS + ZERO1_CPU + SMOOTH_ADAM, "plain",
-                                   nproc=2)
+    rc, out_plain, off = run_script(
+        tmp_path, "off", ALL_FLAGS + ZERO1_CPU + SMOOTH_ADAM, "plain", nproc=2
+    )
     assert rc == 0, out_plain[-8000:]
     for rank in (0, 1):  # each rank switched on and said so
-        assert f"[rank {rank}] paddle_mgrad: recompute, fused_linear on (op: cpp-" in out, out[-8000:]
+        assert f"[rank {rank}] paddle_mgrad: recompute, fused_linear on (op: cpp-" in out, out[
+            -8000:
+        ]
     compare(on, off, "PaddleFormers Trainer, 2 ranks, every flag, PADDLE_MGRAD=all vs plain")
     for rank in (0, 1):
         a = audit(on, rank)
@@ -225,12 +272,25 @@ def test_enable_linear_fused_grad_add_is_not_a_trainer_argument():
 
     from paddleformers.trainer import PdArgumentParser, TrainingArguments
 
-    assert "enable_linear_fused_grad_add" not in {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert "enable_linear_fused_grad_add" not in {
+        f.name for f in dataclasses.fields(TrainingArguments)
+    }
     assert "amp_master_grad" in {f.name for f in dataclasses.fields(TrainingArguments)}
-    with pytest.raises(ValueError, match="not used by the PdArgumentParser: \\['--enable_linear_fused"):
+    with pytest.raises(
+        ValueError, match="not used by the PdArgumentParser: \\['--enable_linear_fused"
+    ):
         PdArgumentParser(TrainingArguments).parse_args_into_dataclasses(
-            args=["--output_dir", "unused", "--amp_master_grad", "false",
-                  "--enable_linear_fused_grad_add", "true"])
+            args=[
+                "--output_dir",
+                "unused",
+                "--amp_master_grad",
+                "false",
+                "--enable_linear_fused_grad_add",
+                "true",
+            ]
+        )
     from paddleformers.cli.hparams.finetuning_args import FinetuningArguments
 
-    assert "enable_linear_fused_grad_add" in {f.name for f in dataclasses.fields(FinetuningArguments)}
+    assert "enable_linear_fused_grad_add" in {
+        f.name for f in dataclasses.fields(FinetuningArguments)
+    }

@@ -31,6 +31,7 @@ OUT_DIR gets ``result.json`` (losses, counters, errors per mode) and ``<mode>.np
 trainable parameter's ``main_grad``, by structured name).  Exit code 0 even when a mode
 failed: the test reads the errors.
 """
+
 import argparse
 import importlib
 import json
@@ -54,8 +55,13 @@ from family_standins import paddlefleet_import_standins  # noqa: E402
 
 SEED, BATCH, SEQ, MICRO = 42, 2, 16, 2
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
-MODES = ("none", *RECOMPUTE_MODES, *(m + "_after_error" for m in RECOMPUTE_MODES),
-         "non_reentrant_gemm", "non_reentrant_save")
+MODES = (
+    "none",
+    *RECOMPUTE_MODES,
+    *(m + "_after_error" for m in RECOMPUTE_MODES),
+    "non_reentrant_gemm",
+    "non_reentrant_save",
+)
 POLICY_ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 #: the policy of ``non_reentrant_save``: the attention sublayer by attribute path or class name
 SAVE = "save:self_attn,*Attention"
@@ -78,8 +84,9 @@ class ForcedMode:
         def recompute_in_test_mode(function, *args, **kwargs):
             counts = cls.calls.setdefault(name, {"forced": 0, "passed": 0, "passed_other": 0})
             if "use_reentrant" in kwargs:
-                counts["passed" if kwargs["use_reentrant"] == cls.use_reentrant
-                       else "passed_other"] += 1
+                counts[
+                    "passed" if kwargs["use_reentrant"] == cls.use_reentrant else "passed_other"
+                ] += 1
             else:
                 counts["forced"] += 1
                 kwargs["use_reentrant"] = cls.use_reentrant
@@ -114,8 +121,10 @@ def import_family(family):
     # Paddle's recompute (paddle_mgrad swapped its code) and fleet.utils' function calling it
     from paddle.distributed.fleet import utils
 
-    paddles = (importlib.import_module("paddle.distributed.fleet.recompute.recompute").recompute,
-               utils.recompute)
+    paddles = (
+        importlib.import_module("paddle.distributed.fleet.recompute.recompute").recompute,
+        utils.recompute,
+    )
     for name, module in sorted(sys.modules.items()):
         if name.startswith("paddleformers.") and getattr(module, "recompute", None) in paddles:
             ForcedMode.wrap(module, module.recompute)
@@ -155,7 +164,7 @@ def micro_step(wrapped, ids, labels):
 def run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
     """One mode's training; ``<mode>_gemm`` / ``<mode>_save``: with that recompute policy,
     switched on the way a user does it with no edits (the environment variable)."""
-    policy = POLICY_OF.get(mode[mode.rfind("_"):])
+    policy = POLICY_OF.get(mode[mode.rfind("_") :])
     if policy is not None:
         os.environ[POLICY_ENV] = policy
     try:
@@ -205,8 +214,12 @@ def _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
 
 def main_family(family, out_dir):
     paddle_mgrad.enable(recompute=True, fused_linear=True)  # before the model code imports
-    report = {"paddle_mgrad_file": paddle_mgrad.__file__, "paddle": paddle.__version__,
-              "standins": paddlefleet_import_standins(), "modes": {}}
+    report = {
+        "paddle_mgrad_file": paddle_mgrad.__file__,
+        "paddle": paddle.__version__,
+        "standins": paddlefleet_import_standins(),
+        "modes": {},
+    }
     import paddleformers
 
     report["paddleformers"] = paddleformers.__version__
@@ -219,15 +232,19 @@ def main_family(family, out_dir):
             if initial is None:
                 initial = {k: v.numpy() for k, v in model.state_dict().items()}
         except Exception as e:
-            result = {"error": f"{type(e).__name__}: {e}",
-                      "traceback": traceback.format_exc()[-6000:],
-                      "grad_enabled": paddle.is_grad_enabled()}
+            result = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-6000:],
+                "grad_enabled": paddle.is_grad_enabled(),
+            }
             paddle.set_grad_enabled(True)  # (so that the next mode shows its own outcome)
         result["recompute_calls"] = ForcedMode.calls
         result["seconds"] = round(time.perf_counter() - start, 3)
         report["modes"][mode] = result
-        print(f"{family} {mode} ({result['seconds']} s): "
-              f"{result.get('error') or result['losses']}", flush=True)
+        print(
+            f"{family} {mode} ({result['seconds']} s): {result.get('error') or result['losses']}",
+            flush=True,
+        )
     return report
 
 
@@ -250,6 +267,7 @@ def main_gaps():
         module = f"paddleformers.transformers.{spec[0]}.modeling"
         report["needs_standins"][family] = _outcome(lambda m=module: importlib.import_module(m))
     for name, (_, pkg, how, config_kwargs, _) in CANNOT.items():
+
         def attempt(pkg=pkg, how=how, config_kwargs=config_kwargs):
             base = f"paddleformers.transformers.{pkg}"
             modeling = importlib.import_module(base + ".modeling")
@@ -257,13 +275,15 @@ def main_gaps():
                 return
             init = importlib.import_module(base)
             config_cls = getattr(init, next(n for n in init.__all__ if n.endswith("Config")))
-            model_cls = getattr(modeling, next(n for n in init.__all__
-                                               if n.endswith("ForCausalLM")))
+            model_cls = getattr(
+                modeling, next(n for n in init.__all__ if n.endswith("ForCausalLM"))
+            )
             config = config_cls(**(COMMON if how == "train" else {}), **config_kwargs)
             model = model_cls(config)
             if how == "train":
                 ids = paddle.to_tensor(np.arange(BATCH * SEQ).reshape(BATCH, SEQ) % 100)
                 model(input_ids=ids, labels=ids, use_cache=False)
+
         report["cannot"][name] = _outcome(attempt)
     return report
 

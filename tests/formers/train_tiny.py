@@ -10,6 +10,7 @@ synthetic token data, offline.  Flags go through PaddleFormers' own argument par
 model-config field (PaddleFormers' TrainingArguments has none): ``--use_reentrant false`` here.
 Nothing in it mentions paddle_mgrad: switch that on with ``PADDLE_MGRAD=all``.
 """
+
 import dataclasses
 import json
 import sys
@@ -27,9 +28,13 @@ VOCAB, SEQ = 256, 32
 @dataclasses.dataclass
 class TinyArguments:
     layers: int = dataclasses.field(default=2)
-    use_reentrant: str = dataclasses.field(default="true", metadata={"help": "recompute_use_reentrant"})
+    use_reentrant: str = dataclasses.field(
+        default="true", metadata={"help": "recompute_use_reentrant"}
+    )
     samples: int = dataclasses.field(default=64)
-    cpu_sync_standin: str = dataclasses.field(default="true", metadata={"help": "see cpu_formers_standins.py"})
+    cpu_sync_standin: str = dataclasses.field(
+        default="true", metadata={"help": "see cpu_formers_standins.py"}
+    )
 
 
 class Tokens(paddle.io.Dataset):
@@ -38,7 +43,9 @@ class Tokens(paddle.io.Dataset):
     def __init__(self, n):
         rng = np.random.default_rng(1234)
         base = rng.integers(0, VOCAB, size=(8, SEQ + 1))
-        self.rows = [base[i % 8] if i % 3 else rng.integers(0, VOCAB, size=SEQ + 1) for i in range(n)]
+        self.rows = [
+            base[i % 8] if i % 3 else rng.integers(0, VOCAB, size=SEQ + 1) for i in range(n)
+        ]
 
     def __len__(self):
         return len(self.rows)
@@ -74,22 +81,40 @@ def main(argv=None):
         from cpu_formers_standins import cpu_synchronize_standin  # tests only, next to this file
 
         cpu_synchronize_standin()
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=tiny.layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=SEQ, fuse_rms_norm=False)  # no CPU kernel
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=tiny.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        fuse_rms_norm=False,
+    )  # no CPU kernel
     LlmMetaConfig.set_llm_config(config, args)  # recompute_* from the training arguments
     config.recompute_use_reentrant = tiny.use_reentrant.lower() in ("1", "true", "yes")
     model = LlamaForCausalLM(config)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(tiny.samples),
-                      callbacks=[LossLog()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(tiny.samples), callbacks=[LossLog()]
+    )
     trainer.train()
     trainer.save_model(args.output_dir)
     if not trainer.is_world_process_zero():  # data parallel: rank 0 writes what is compared
         return
     paddle.save(model.state_dict(), f"{args.output_dir}/params.pdparams")  # for the comparison
     with open(f"{args.output_dir}/run_info.json", "w") as f:  # what the model ran with
-        json.dump({k: getattr(config, k) for k in ("recompute_granularity", "recompute_method",
-                   "recompute_num_layers", "recompute_use_reentrant")}, f)
+        json.dump(
+            {
+                k: getattr(config, k)
+                for k in (
+                    "recompute_granularity",
+                    "recompute_method",
+                    "recompute_num_layers",
+                    "recompute_use_reentrant",
+                )
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

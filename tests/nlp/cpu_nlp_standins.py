@@ -10,6 +10,7 @@ paddle_mgrad).  PaddleNLP 2.7.1 and 2.8.1 do not call it there.
 Switched on for a subprocess by ``PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN=1`` with tests/nlp/evidence
 on ``PYTHONPATH`` (its sitecustomize applies it when PaddleNLP's trainer module is imported).
 """
+
 import os
 
 ENV = "PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN"
@@ -39,7 +40,9 @@ def paddlenlp27_cpu_synchronize_standin():
         return
 
     def cpu_ok(device=None):
-        if device is None and isinstance(paddle.framework._current_expected_place(), paddle.CPUPlace):
+        if device is None and isinstance(
+            paddle.framework._current_expected_place(), paddle.CPUPlace
+        ):
             return None
         return synchronize(device)
 

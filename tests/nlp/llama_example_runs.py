@@ -1,6 +1,7 @@
 """Running examples/llama/run_pretrain.py as a user does (its own process, optionally 2 ranks
 through ``paddle.distributed.launch``), for tests/nlp: the ``example`` fixture and test modules
 import it."""
+
 import json
 import os
 import subprocess
@@ -24,11 +25,28 @@ def run_example(out_dir, *flags, nproc=1, timeout=900, cpu_sync_standin=None):
         cpu_sync_standin = cpu_nlp_standins.needs_cpu_sync_standin()
     if cpu_sync_standin:
         cpu_nlp_standins.request(env, EVIDENCE)
-    base = [EXAMPLE, CONFIG, "--output_dir", str(out_dir), "--logging_steps", "1",
-            "--save_steps", "1000", *map(str, flags)]
+    base = [
+        EXAMPLE,
+        CONFIG,
+        "--output_dir",
+        str(out_dir),
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "1000",
+        *map(str, flags),
+    ]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-               os.path.join(str(out_dir), "log"), "--nproc_per_node", str(nproc), *base]
+        cmd = [
+            sys.executable,
+            "-m",
+            "paddle.distributed.launch",
+            "--log_dir",
+            os.path.join(str(out_dir), "log"),
+            "--nproc_per_node",
+            str(nproc),
+            *base,
+        ]
     else:
         cmd = [sys.executable, *base]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)

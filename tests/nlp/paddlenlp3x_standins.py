@@ -16,6 +16,7 @@ with or without paddle_mgrad.
 returns Paddle 2.x's ``[n, 1]`` indices; every other attribute is Paddle's own.  Nothing here
 is part of paddle_mgrad.
 """
+
 from __future__ import annotations
 
 import types
@@ -45,8 +46,9 @@ class _Paddle2xWhere(types.ModuleType):
     @staticmethod
     def where(condition, x=None, y=None, name=None):
         if x is None and y is None:
-            return tuple(i.unsqueeze(-1) if len(i.shape) == 1 else i
-                         for i in paddle.where(condition))
+            return tuple(
+                i.unsqueeze(-1) if len(i.shape) == 1 else i for i in paddle.where(condition)
+            )
         return paddle.where(condition, x, y, name)
 
 

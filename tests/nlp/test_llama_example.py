@@ -1,4 +1,5 @@
 """The llama example on PaddleNLP 2.8.1 as the real client (run by `nox -s nlp`)."""
+
 import os
 
 import numpy as np
@@ -8,7 +9,14 @@ import paddle_mgrad
 from helpers import cpu_backend, expected_cpu_backend
 from paddle_mgrad._compat import IS_PADDLE_2
 
-STEPS = ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+STEPS = [
+    "--max_steps",
+    "4",
+    "--per_device_train_batch_size",
+    "2",
+    "--gradient_accumulation_steps",
+    "2",
+]
 OFF = ["--recompute", "false", "--enable_linear_fused_grad_add", "false"]
 
 
@@ -64,8 +72,9 @@ def test_in_process_alias_is_patched():
         x = paddle.randn([3])
         x.stop_gradient = False
         before = stats.recompute["non_reentrant"]
-        modeling.recompute(paddle.tanh, x, use_reentrant=False,
-                           preserve_rng_state=False).sum().backward()
+        modeling.recompute(
+            paddle.tanh, x, use_reentrant=False, preserve_rng_state=False
+        ).sum().backward()
         return stats.recompute["non_reentrant"] - before
 
     assert call() == 0  # Paddle's own
@@ -80,8 +89,14 @@ def test_in_process_alias_is_patched():
 def test_native_recompute_without_the_fix(example, tmp_path):
     """Paddle 2.6's own non-reentrant recompute dies on CPU RNG; 3.x's runs (its main_grad
     bugs need a user PyLayer to show, see tests/recomputation/test_recomputation.py)."""
-    rc, out, s = example(tmp_path / "nofix", *STEPS, "--mgrad_fix_recompute", "false",
-                         "--enable_linear_fused_grad_add", "false")
+    rc, out, s = example(
+        tmp_path / "nofix",
+        *STEPS,
+        "--mgrad_fix_recompute",
+        "false",
+        "--enable_linear_fused_grad_add",
+        "false",
+    )
     if IS_PADDLE_2:
         assert rc != 0
         assert "not support current device: cpu" in out
@@ -113,7 +128,9 @@ def _resume(example, out_dir, *extra):
     assert rc == 0, out[-4000:]
     ckpt = out_dir / "checkpoint-2"
     assert (ckpt / "model_state.pdparams").exists() and (ckpt / "optimizer.pdopt").exists()
-    rc, out, second = example(out_dir, *base, "--max_steps", "4", "--resume_from_checkpoint", str(ckpt))
+    rc, out, second = example(
+        out_dir, *base, "--max_steps", "4", "--resume_from_checkpoint", str(ckpt)
+    )
     assert rc == 0, out[-4000:]
     return first, second
 
@@ -136,14 +153,17 @@ def test_resume_from_checkpoint(example, tmp_path):
     rc, out, whole = example(tmp_path / "whole", *RESUME, "--max_steps", "4", "--save_steps", "2")
     assert rc == 0, out[-4000:]
     first, second = _resume(example, tmp_path / "on")
-    _, plain = _resume(example, tmp_path / "off", *OFF, "--amp_master_grad", "false",
-                       "--bf16", "false")
+    _, plain = _resume(
+        example, tmp_path / "off", *OFF, "--amp_master_grad", "false", "--bf16", "false"
+    )
     assert second["global_step"] == 4 and second["audit"]["in_fp32_main_grad"] > 0
     assert second["recompute_calls"]["non_reentrant"] > 0  # the resumed run went through ours
     # 1. before the interruption: identical to the uninterrupted run
     np.testing.assert_array_equal(first["logged_losses"], whole["logged_losses"][:2])
-    ck, ck_whole = (_load(d / "checkpoint-2" / "model_state.pdparams")
-                    for d in (tmp_path / "on", tmp_path / "whole"))
+    ck, ck_whole = (
+        _load(d / "checkpoint-2" / "model_state.pdparams")
+        for d in (tmp_path / "on", tmp_path / "whole")
+    )
     assert sorted(ck) == sorted(ck_whole)
     for k in ck:
         np.testing.assert_array_equal(ck[k].numpy(), ck_whole[k].numpy(), err_msg=k)
@@ -153,12 +173,15 @@ def test_resume_from_checkpoint(example, tmp_path):
     np.testing.assert_allclose(new[0], whole["logged_losses"][2], rtol=1e-6, atol=1e-6)
     # 3. paddle_mgrad resumes as PaddleNLP does without it
     np.testing.assert_allclose(new, plain["logged_losses"][2:], rtol=1e-5, atol=1e-5)
-    fin_on, fin_off, fin_whole = (_load(d / "model_state.pdparams")
-                                  for d in (tmp_path / "on", tmp_path / "off", tmp_path / "whole"))
+    fin_on, fin_off, fin_whole = (
+        _load(d / "model_state.pdparams")
+        for d in (tmp_path / "on", tmp_path / "off", tmp_path / "whole")
+    )
     gap_on, gap_off = 0.0, 0.0
     for k in fin_on:
-        np.testing.assert_allclose(fin_on[k].numpy(), fin_off[k].numpy(), rtol=1e-5, atol=1e-6,
-                                   err_msg=k)
+        np.testing.assert_allclose(
+            fin_on[k].numpy(), fin_off[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k
+        )
         gap_on = max(gap_on, float(np.abs(fin_on[k].numpy() - fin_whole[k].numpy()).max()))
         gap_off = max(gap_off, float(np.abs(fin_off[k].numpy() - fin_whole[k].numpy()).max()))
     # 4. PaddleNLP 2.8.1 is not continuous from the 2nd step after resuming (measured here:
@@ -166,14 +189,17 @@ def test_resume_from_checkpoint(example, tmp_path):
     # same with and without paddle_mgrad.  Asserted, so that a PaddleNLP fix shows.
     assert abs(new[1] - whole["logged_losses"][3]) > 1e-3
     assert abs(plain["logged_losses"][3] - whole["logged_losses"][3]) > 1e-3
-    print(f"max |resumed - uninterrupted| after 4 steps: ours {gap_on:.3g}, PaddleNLP {gap_off:.3g}")
+    print(
+        f"max |resumed - uninterrupted| after 4 steps: ours {gap_on:.3g}, PaddleNLP {gap_off:.3g}"
+    )
     assert 0 < gap_on < 5e-2 and 0 < gap_off < 5e-2
     np.testing.assert_allclose(gap_on, gap_off, rtol=0.05, atol=1e-6)
 
 
 def test_amp_master_grad_without_amp_is_a_one_line_error(example, tmp_path):
-    rc, out, _ = example(tmp_path / "bad", "--max_steps", "1", "--bf16", "false",
-                         "--amp_master_grad", "true")
+    rc, out, _ = example(
+        tmp_path / "bad", "--max_steps", "1", "--bf16", "false", "--amp_master_grad", "true"
+    )
     assert rc == 2
     err = [line for line in out.splitlines() if "run_pretrain.py: error:" in line]
     assert len(err) == 1 and "--bf16" in err[0]
@@ -190,11 +216,32 @@ def test_flags_only_no_json(tmp_path):
     from llama_example_runs import EVIDENCE, EXAMPLE, ROOT
 
     out_dir = tmp_path / "flags"
-    cmd = [sys.executable, EXAMPLE, "--output_dir", str(out_dir), "--max_steps", "2",
-           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-           "--logging_steps", "1", "--save_steps", "1000", "--amp_master_grad", "--bf16",
-           "--fp16_opt_level", "O2", "--recompute", "--recompute_granularity", "full",
-           "--recompute_use_reentrant", "false", "--enable_linear_fused_grad_add"]
+    cmd = [
+        sys.executable,
+        EXAMPLE,
+        "--output_dir",
+        str(out_dir),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "1000",
+        "--amp_master_grad",
+        "--bf16",
+        "--fp16_opt_level",
+        "O2",
+        "--recompute",
+        "--recompute_granularity",
+        "full",
+        "--recompute_use_reentrant",
+        "false",
+        "--enable_linear_fused_grad_add",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if cpu_nlp_standins.needs_cpu_sync_standin():  # PaddleNLP 2.7.x on CPU
         cpu_nlp_standins.request(env, EVIDENCE)

@@ -14,6 +14,7 @@ test-only stand-in of ``paddlenlp3x_standins.py``.  Paddle 2.6.2 runs PaddleNLP 
 plain Paddle's non-reentrant recompute cannot run on a CPU (its RNG preservation; asserted),
 so plain Paddle without recompute is the reference for that mode.
 """
+
 import zlib  # noqa: F401  (before paddle)
 
 import numpy as np
@@ -61,12 +62,23 @@ def paddlenlp_on_this_paddle():
 
 def config(mode):
     return MixtralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=4, num_local_experts=EXPERTS,
-        num_experts_per_tok=2, max_position_embeddings=64, seq_length=SEQ,
-        use_recompute=mode != "none", recompute_granularity="full",
-        recompute_use_reentrant=mode == "reentrant", output_router_logits=True,
-        use_flash_attention=False, dtype="float32")
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        seq_length=SEQ,
+        use_recompute=mode != "none",
+        recompute_granularity="full",
+        recompute_use_reentrant=mode == "reentrant",
+        output_router_logits=True,
+        use_flash_attention=False,
+        dtype="float32",
+    )
 
 
 def moe_blocks(model):
@@ -89,11 +101,15 @@ def train(mode, on, empty_from=None, each_micro_step=None):
     away = paddle.to_tensor([0.0] * EMPTY + [-1e4] + [0.0] * (EXPERTS - EMPTY - 1))
     for moe in moe_blocks(model):  # the router's logits: EMPTY never in the top 2 when forced
         moe.gate.register_forward_post_hook(
-            lambda layer, inputs, out: out + away if force["on"] else out)
+            lambda layer, inputs, out: out + away if force["on"] else out
+        )
     audit = MainGradAudit(model)
     MixPrecisionLayer(model, dtype="bfloat16")  # --amp_master_grad (fp32 model on the CPU)
-    opt = MixPrecisionOptimizer(paddle.optimizer.AdamW(
-        learning_rate=LR, parameters=model.parameters(), epsilon=ADAM_EPSILON))
+    opt = MixPrecisionOptimizer(
+        paddle.optimizer.AdamW(
+            learning_rate=LR, parameters=model.parameters(), epsilon=ADAM_EPSILON
+        )
+    )
     rs = np.random.RandomState(0)
     stats.reset()
     losses, grads0 = [], {}
@@ -112,9 +128,15 @@ def train(mode, on, empty_from=None, each_micro_step=None):
             grads0 = {n: p.main_grad.numpy().copy() for n, p in model.named_parameters()}
         opt.step()
         opt.clear_grad()
-    out = {"losses": losses, "params": {n: p.numpy() for n, p in model.named_parameters()},
-           "grads0": grads0, "audit": audit.summary(), "stats": stats.snapshot(),
-           "installed": registry.installed_keys(), "model": model}
+    out = {
+        "losses": losses,
+        "params": {n: p.numpy() for n, p in model.named_parameters()},
+        "grads0": grads0,
+        "audit": audit.summary(),
+        "stats": stats.snapshot(),
+        "installed": registry.installed_keys(),
+        "model": model,
+    }
     audit.remove()
     paddle_mgrad.disable()
     return out
@@ -150,9 +172,11 @@ def test_mixtral_all_vs_plain(mode):
     dl = max(abs(a - b) for a, b in zip(on["losses"], ref["losses"]))
     dp = max(float(np.abs(on["params"][k] - ref["params"][k]).max()) for k in on["params"])
     dg = max(float(np.abs(on["grads0"][k] - ref["grads0"][k]).max()) for k in on["grads0"])
-    print(f"\nMEASURED mixtral {mode} paddle {paddle.__version__}: losses {on['losses']} vs "
-          f"{ref['losses']}; max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}, "
-          f"max |main_grad diff| step 0 {dg:.3g}")
+    print(
+        f"\nMEASURED mixtral {mode} paddle {paddle.__version__}: losses {on['losses']} vs "
+        f"{ref['losses']}; max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}, "
+        f"max |main_grad diff| step 0 {dg:.3g}"
+    )
     assert dl <= TOL and dp <= TOL and dg <= TOL, (dl, dp, dg)
     assert sorted(on["params"]) == sorted(ref["params"])
     # every trainable parameter's gradient in fp32 main_grad, exactly once per micro-step
@@ -163,8 +187,12 @@ def test_mixtral_all_vs_plain(mode):
     # our recompute ran for every decoder layer; every nn.Linear weight went through our op
     s = on["stats"]
     assert s["recompute"][mode] == s["recompute"]["recomputations"] == LAYERS * MICRO, s
-    linear_weights = {p.name for layer in on["model"].sublayers()
-                      if type(layer).__name__ == "Linear" for p in [layer.weight]}
+    linear_weights = {
+        p.name
+        for layer in on["model"].sublayers()
+        if type(layer).__name__ == "Linear"
+        for p in [layer.weight]
+    }
     assert len(linear_weights) == LAYERS * LINEARS_PER_LAYER
     assert linear_weights <= s["fused_params"], sorted(linear_weights - s["fused_params"])
     assert s["linear"]["into_main_grad"] == LAYERS * LINEARS_PER_LAYER * MICRO, s["linear"]
@@ -193,14 +221,14 @@ def test_expert_without_tokens_keeps_main_grad_exactly_zero(mode):
             seen.append((step, bool(expert.w1.weight.main_grad.numpy().any()), moved))
 
     on = train(mode, on=True, empty_from=1, each_micro_step=check)
-    assert [s for s, _, _ in seen] == [s for s in range(STEPS) for _ in range(ACC) for _ in
-                                       range(LAYERS)]
+    assert [s for s, _, _ in seen] == [
+        s for s in range(STEPS) for _ in range(ACC) for _ in range(LAYERS)
+    ]
     # step 0 gave the expert tokens (else the check were vacuous); later steps none
     assert all(got for s, got, _ in seen if s == 0) and not any(got for s, got, _ in seen if s)
     assert all(moved for _, _, moved in seen)
     # equal to plain Paddle under the same routing
-    ref = train("none" if IS_PADDLE_2 and mode == "non_reentrant" else mode, on=False,
-                empty_from=1)
+    ref = train("none" if IS_PADDLE_2 and mode == "non_reentrant" else mode, on=False, empty_from=1)
     dl = max(abs(a - b) for a, b in zip(on["losses"], ref["losses"]))
     dp = max(float(np.abs(on["params"][k] - ref["params"][k]).max()) for k in on["params"])
     assert dl <= TOL and dp <= TOL, (dl, dp)

@@ -1,6 +1,7 @@
 """PaddleNLP 2.7.x's CPU gap that tests/nlp stands in for (cpu_nlp_standins.py), asserted here so
 that the stand-in is known to be needed -- and a PaddleNLP fix shows.  On PaddleNLP 2.8.1 the
 same code runs on CPU and no stand-in is used."""
+
 import cpu_nlp_standins
 import paddle
 import pytest
@@ -38,9 +39,24 @@ def test_example_dies_on_cpu_without_the_standin(example, tmp_path):
     """End to end: the llama example's first trainer.train() dies in the timer without the
     stand-in, with paddle_mgrad's flags and without them (PaddleNLP 2.7.x only)."""
     if not NEEDS:
-        assert cpu_nlp_standins.paddlenlp_version() and not cpu_nlp_standins.paddlenlp_version().startswith("2.7.")
+        assert (
+            cpu_nlp_standins.paddlenlp_version()
+            and not cpu_nlp_standins.paddlenlp_version().startswith("2.7.")
+        )
         return
-    for name, flags in (("ours", []), ("plain", ["--recompute", "false", "--enable_linear_fused_grad_add",
-                                                   "false", "--mgrad_fix_recompute", "false"])):
+    for name, flags in (
+        ("ours", []),
+        (
+            "plain",
+            [
+                "--recompute",
+                "false",
+                "--enable_linear_fused_grad_add",
+                "false",
+                "--mgrad_fix_recompute",
+                "false",
+            ],
+        ),
+    ):
         rc, out, _ = example(tmp_path / name, "--max_steps", "1", *flags, cpu_sync_standin=False)
         assert rc != 0 and f"TypeError: {CPU_GAP}" in out and "synchronize" in out, out[-3000:]

@@ -8,6 +8,7 @@ fails on CPU.
 
 Evidence from inside the unmodified script comes from tests/nlp/evidence/sitecustomize.py.
 """
+
 import dataclasses
 import importlib.util
 import json
@@ -30,14 +31,41 @@ LLM = os.path.join(ROOT, "tests", "nlp", "llm")
 SCRIPT = os.path.join(LLM, "run_pretrain.py")
 EVIDENCE = os.path.join(ROOT, "tests", "nlp", "evidence")
 
-ALL_FLAGS = ["--amp_master_grad", "--bf16", "--fp16_opt_level", "O2", "--recompute",
-             "--recompute_granularity", "full", "--recompute_use_reentrant", "false",
-             "--enable_linear_fused_grad_add"]
+ALL_FLAGS = [
+    "--amp_master_grad",
+    "--bf16",
+    "--fp16_opt_level",
+    "O2",
+    "--recompute",
+    "--recompute_granularity",
+    "full",
+    "--recompute_use_reentrant",
+    "false",
+    "--enable_linear_fused_grad_add",
+]
 MAX_STEPS, ACCUM, LAYERS, LINEARS_PER_LAYER = 2, 2, 2, 7  # q, k, v, o, gate, up, down
-STEPS = ["--max_steps", str(MAX_STEPS), "--gradient_accumulation_steps", str(ACCUM),
-         "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--warmup_steps", "0",
-         "--logging_steps", "1", "--save_steps", "1000", "--report_to", "none", "--seed", "42",
-         "--dataloader_num_workers", "0"]
+STEPS = [
+    "--max_steps",
+    str(MAX_STEPS),
+    "--gradient_accumulation_steps",
+    str(ACCUM),
+    "--per_device_train_batch_size",
+    "2",
+    "--learning_rate",
+    "1e-3",
+    "--warmup_steps",
+    "0",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "1000",
+    "--report_to",
+    "none",
+    "--seed",
+    "42",
+    "--dataloader_num_workers",
+    "0",
+]
 ZLIB_FIRST = """import zlib, os, runpy, sys
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
@@ -64,8 +92,14 @@ def run_script(tmp_path, name, flags, mode, nproc=1, timeout=900):
             script = [str(wrapper), SCRIPT]
     if mode != "bare" and cpu_nlp_standins.needs_cpu_sync_standin():  # PaddleNLP 2.7.x on CPU
         cpu_nlp_standins.request(env, EVIDENCE)
-    rc, out = launch([*script, "--output_dir", str(out_dir), *STEPS, *flags], out_dir, nproc,
-                     env, timeout, tmp_path)
+    rc, out = launch(
+        [*script, "--output_dir", str(out_dir), *STEPS, *flags],
+        out_dir,
+        nproc,
+        env,
+        timeout,
+        tmp_path,
+    )
     return rc, out, out_dir
 
 
@@ -102,8 +136,10 @@ def report_diffs(label, on, off):
     b = paddle.load(str(off / "model_state.pdparams"))
     dl = float(np.max(np.abs(np.subtract(losses(on), losses(off)))))
     dp = max(float(np.max(np.abs(a[k].numpy() - b[k].numpy()))) for k in a)
-    print(f"\nMEASURED {label} paddle {paddle.__version__}: losses {losses(on)} vs {losses(off)}; "
-          f"max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}")
+    print(
+        f"\nMEASURED {label} paddle {paddle.__version__}: losses {losses(on)} vs {losses(off)}; "
+        f"max |loss diff| {dl:.3g}, max |param diff| {dp:.3g}"
+    )
 
 
 def compare_params(a_dir, b_dir):
@@ -122,8 +158,9 @@ def test_unmodified_script_single_process(tmp_path):
     assert rc == 0, out[-5000:]
     rc, out_plain, off = run_script(tmp_path, "off", [], "plain")
     assert rc == 0, out_plain[-5000:]
-    lines = [ln for ln in out.splitlines()
-             if re.match(r"(\[rank \d+\] )?paddle_mgrad: ", ln)]  # not the build log
+    lines = [
+        ln for ln in out.splitlines() if re.match(r"(\[rank \d+\] )?paddle_mgrad: ", ln)
+    ]  # not the build log
     assert len(lines) == 1 and "recompute, fused_linear on (op: cpp-" in lines[0], lines
     assert len(losses(on)) == MAX_STEPS
     report_diffs("1 process", on, off)
@@ -138,7 +175,9 @@ def test_unmodified_script_two_ranks(tmp_path):
     rc, out_plain, off = run_script(tmp_path, "off", [], "plain", nproc=2)
     assert rc == 0, out_plain[-8000:]
     for rank in (0, 1):  # each rank switched on and said so
-        assert f"[rank {rank}] paddle_mgrad: recompute, fused_linear on (op: cpp-" in out, out[-8000:]
+        assert f"[rank {rank}] paddle_mgrad: recompute, fused_linear on (op: cpp-" in out, out[
+            -8000:
+        ]
     report_diffs("2 ranks", on, off)
     np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
     compare_params(on, off)
@@ -158,16 +197,20 @@ def test_script_fails_without_paddle_mgrad(tmp_path):
         assert "fused_linear_param_grad_add` is not registered" in out, out[-3000:]
     rc, out, _ = run_script(tmp_path, "zlib_first", ALL_FLAGS, "plain")
     assert rc != 0
-    assert ("fused_linear_param_grad_add` is not registered" in out
-            or "not support current device: cpu" in out
-            or "save_for_backward only support" in out), out[-3000:]
+    assert (
+        "fused_linear_param_grad_add` is not registered" in out
+        or "not support current device: cpu" in out
+        or "save_for_backward only support" in out
+    ), out[-3000:]
 
 
 # --- in process: whichever linear ends up bound, each gradient lands once -------------------
 
+
 def _fused_layers():
-    spec = importlib.util.spec_from_file_location("pmg_test_fused_layers",
-                                                  os.path.join(LLM, "fused_layers.py"))
+    spec = importlib.util.spec_from_file_location(
+        "pmg_test_fused_layers", os.path.join(LLM, "fused_layers.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -235,8 +278,9 @@ def test_each_gradient_lands_once_whichever_linear_is_bound(order):
         assert p.grad is None
         assert p.main_grad.dtype == paddle.float32
         assert p.main_grad.data_ptr() == ptrs[p.name]  # second micro-step accumulated in place
-        np.testing.assert_allclose(p.main_grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6,
-                                   err_msg=p.name)
+        np.testing.assert_allclose(
+            p.main_grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=p.name
+        )
     assert stats.recompute["non_reentrant"] == 2
     if order == "ours_only":  # our PyLayer, our op called directly
         assert stats.linear["backward"] == 4 and stats.paddle_c_ops["ours"] == 0
@@ -245,6 +289,7 @@ def test_each_gradient_lands_once_whichever_linear_is_bound(order):
 
 
 # --- trainer route: PaddleNLP's own PreTrainingArguments -------------------------------------
+
 
 def test_mgrad_arguments_never_clash_with_pretraining_arguments():
     import argparse
@@ -265,8 +310,17 @@ def test_mgrad_arguments_never_clash_with_pretraining_arguments():
     assert "enable_linear_fused_grad_add" not in {f.name for f in dataclasses.fields(Mgrad)}
     parser = PdArgumentParser((Pre, Mgrad))
     pre, mgrad = parser.parse_args_into_dataclasses(
-        args=["--output_dir", "unused", "--report_to", "none", "--recompute",
-              "--enable_linear_fused_grad_add", "--mgrad_audit", "false"])
+        args=[
+            "--output_dir",
+            "unused",
+            "--report_to",
+            "none",
+            "--recompute",
+            "--enable_linear_fused_grad_add",
+            "--mgrad_audit",
+            "false",
+        ]
+    )
     assert pre.enable_linear_fused_grad_add is True and mgrad.mgrad_audit is False
     info = apply(pre, mgrad, argv=[])
     assert info["recompute"] and info["fused_linear"]

@@ -6,6 +6,7 @@ Real compiles are few (each ~10-60 s): the cache-reuse test, the empty-library h
 build and the ahead-of-time install.  Where the point is the cache's handling of a rebuild, the
 compiler step is faked by a copy of the suite's own build (tests/cache_probe.py).
 """
+
 import glob
 import hashlib
 import json
@@ -48,8 +49,9 @@ def _probe(env_extra, pythonpath=None):
     env = dict(os.environ, **env_extra)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          env=env, timeout=600, cwd="/")
+    return subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=600, cwd="/"
+    )
 
 
 @pytest.mark.heavy
@@ -67,8 +69,10 @@ def test_empty_library_heals_once_with_the_real_compiler_in_a_path_with_a_space(
     for leftover in glob.glob(os.path.join(key_dir, "*", "build")):
         shutil.rmtree(leftover)  # no object files to reuse
     _corrupt(library_in(key_dir), "empty")
-    started = [run_probe(cache, home, popen=True, umask=0o002),
-               run_probe(cache, home, popen=True, umask=0o002, pth=True, PADDLE_MGRAD="all")]
+    started = [
+        run_probe(cache, home, popen=True, umask=0o002),
+        run_probe(cache, home, popen=True, umask=0o002, pth=True, PADDLE_MGRAD="all"),
+    ]
     done = [finish(p) for p in started]
     for p in done:
         res = result(p)  # exit 0: no signal
@@ -114,9 +118,22 @@ def test_cache_key_tracks_flags_and_sources(monkeypatch, tmp_path):
 def _checkout_copy(dest):
     """A copy of the checkout (sources only) for pip to build from: setuptools writes
     ``<source>/build``, which tests running at once (xdist workers, two suites) must not share."""
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
-        ".git", ".nox", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-        ".hypothesis", ".op-cache*"))
+    shutil.copytree(
+        ROOT,
+        dest,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".nox",
+            ".venv*",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            ".hypothesis",
+            ".op-cache*",
+        ),
+    )
     return dest
 
 
@@ -130,10 +147,23 @@ def aot_site(tmp_path_factory):
     source = _checkout_copy(base / "source")
     target = base / "site"
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-         "--target", str(target), str(source)],
-        capture_output=True, text=True, timeout=900,
-        env=dict(os.environ, PADDLE_MGRAD_BUILD_OPS="1"))
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PADDLE_MGRAD_BUILD_OPS="1"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return target
 
@@ -143,8 +173,9 @@ def aot_site(tmp_path_factory):
 def test_ahead_of_time_build_needs_no_compile_at_runtime(tmp_path, aot_site):
     cache = tmp_path / "cache"
     cache.mkdir()
-    (key,) = [n for n in os.listdir(aot_site / "paddle_mgrad" / "_prebuilt")
-              if not n.endswith(".lock")]
+    (key,) = [
+        n for n in os.listdir(aot_site / "paddle_mgrad" / "_prebuilt") if not n.endswith(".lock")
+    ]
     info = json.load(open(aot_site / "paddle_mgrad" / "_prebuilt" / key / ".complete"))
     assert info["key"] == key and info["size"] > 0 and len(info["sha256"]) == 64
     probe = _probe({"PADDLE_MGRAD_CACHE": str(cache)}, pythonpath=str(aot_site))
@@ -188,9 +219,23 @@ def test_plain_install_after_an_ahead_of_time_build_ships_no_binaries(tmp_path):
     target = tmp_path / "site"
     env = {k: v for k, v in os.environ.items() if k != "PADDLE_MGRAD_BUILD_OPS"}
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-         "--target", str(target), str(source)], capture_output=True, text=True, timeout=900,
-        env=env)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (target / "paddle_mgrad" / "_csrc").is_dir()
     assert not (target / "paddle_mgrad" / "_prebuilt").exists()
@@ -211,8 +256,12 @@ def _corrupt(lib, how):
     return how
 
 
-EXPECTED_PROBLEM = {"truncated": "truncated: 4096 of", "empty": "truncated: 0 of",
-                    "random-same-size": "hash mismatch", "random-other-size": "size mismatch"}
+EXPECTED_PROBLEM = {
+    "truncated": "truncated: 4096 of",
+    "empty": "truncated: 0 of",
+    "random-same-size": "hash mismatch",
+    "random-other-size": "size mismatch",
+}
 
 
 @pytest.mark.parametrize("how", list(EXPECTED_PROBLEM))
@@ -230,10 +279,16 @@ def test_corrupt_library_is_never_loaded_and_is_rebuilt(tmp_path, how):
     res = result(p)  # returncode 0: not a signal
     assert res["backend"].startswith("cpp-") and res["correct"] and res["why"] is None, res
     assert res["library"] == library_in(key_dir) and not res["warnings"]
-    assert "FAKE COMPILE" in p.stdout and f"(rebuilding: {EXPECTED_PROBLEM[how]}" in p.stdout + p.stderr
+    assert (
+        "FAKE COMPILE" in p.stdout
+        and f"(rebuilding: {EXPECTED_PROBLEM[how]}" in p.stdout + p.stderr
+    )
     (e,) = [e for e in _build.inspect_cache(str(cache)) if e["location"] == "cache"]
     assert e["verified"] and e["problem"] is None and e["current"], e
-    assert sorted(os.listdir(cache)) == [os.path.basename(key_dir), f"{os.path.basename(key_dir)}.lock"]
+    assert sorted(os.listdir(cache)) == [
+        os.path.basename(key_dir),
+        f"{os.path.basename(key_dir)}.lock",
+    ]
 
 
 def _compiler_at_work(cache):
@@ -262,8 +317,11 @@ def test_build_killed_half_way_then_restart(tmp_path):
         assert res["backend"].startswith("cpp-") and res["correct"] and res["why"] is None, res
         assert not res["warnings"], res
         key = _build.build_key()
-        (e,) = [e for e in _build.inspect_cache(str(cache))
-                if e["location"] == "cache" and e["key"] == key and e["problem"] is None]
+        (e,) = [
+            e
+            for e in _build.inspect_cache(str(cache))
+            if e["location"] == "cache" and e["key"] == key and e["problem"] is None
+        ]
         assert e["verified"] and res["library"] == library_in(os.path.join(cache, key))
         # the orphan's directory was discarded (renamed away, deleted as far as it could be)
         assert not [n for n in os.listdir(cache) if n.startswith(".build-")], os.listdir(cache)
@@ -310,8 +368,12 @@ def test_inspect_cache_reports_every_state_without_loading(tmp_path):
         assert problem in (e["problem"] or ""), (k, e)
         assert not e["verified"] and not e["current"]
     partial = got[str(cache / f".build-{key}-x1y2z3")]
-    assert partial["problem"] == "incomplete (build in progress or killed)" and not partial["current"]
-    assert [e for e in _build.inspect_cache(str(tmp_path / "missing")) if e["location"] == "cache"] == []
+    assert (
+        partial["problem"] == "incomplete (build in progress or killed)" and not partial["current"]
+    )
+    assert [
+        e for e in _build.inspect_cache(str(tmp_path / "missing")) if e["location"] == "cache"
+    ] == []
 
 
 def test_verification_cost_is_small():

@@ -10,6 +10,7 @@ situation with ``os.chown`` (to ``nobody``) and mode bits, and paddle_mgrad deci
 Tests that need ``chown`` or another user skip, saying so, where the suite does not run as root.
 No test here compiles the op: they copy the build the suite already uses (tests/cache_probe.py).
 """
+
 import json
 import os
 import shutil
@@ -48,12 +49,21 @@ def _one_warning(res, *parts):
 
 # ------------------------------------------------------------------ the planted library
 @needs_root
-@pytest.mark.parametrize("mode,marker,pth", [
-    (0o777, "kept", False), (0o777, "kept", True),  # the attack as reported, both entry points
-    (0o777, "forged", False),
-    (0o755, "forged", False),  # only the owner could have planted it: ownership alone refuses
-], ids=["world-writable-kept", "world-writable-kept-PADDLE_MGRAD=all", "world-writable-forged",
-        "other-owner-forged"])
+@pytest.mark.parametrize(
+    "mode,marker,pth",
+    [
+        (0o777, "kept", False),
+        (0o777, "kept", True),  # the attack as reported, both entry points
+        (0o777, "forged", False),
+        (0o755, "forged", False),  # only the owner could have planted it: ownership alone refuses
+    ],
+    ids=[
+        "world-writable-kept",
+        "world-writable-kept-PADDLE_MGRAD=all",
+        "world-writable-forged",
+        "other-owner-forged",
+    ],
+)
 def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, mode, marker, pth):
     """A cache owned by ``nobody`` whose library was replaced by one whose constructor writes a
     marker file: not loaded (with the completion marker kept, or forged to match the planted
@@ -78,8 +88,13 @@ def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, mode, marker, p
     assert not ran.exists(), "the planted library's constructor ran"
     assert res["backend"].startswith("cpp-") and res["correct"], res
     assert res["library"].startswith(str(home)), res
-    _one_warning(res, str(shared), "owned by uid 65534", "Fix:",
-                 *(["world-writable (mode 0777)"] if mode == 0o777 else []))
+    _one_warning(
+        res,
+        str(shared),
+        "owned by uid 65534",
+        "Fix:",
+        *(["world-writable (mode 0777)"] if mode == 0o777 else []),
+    )
     assert COMPILING not in p.stdout + p.stderr
     if pth:
         assert "paddle_mgrad: recompute, fused_linear on (op: cpp-" in p.stderr
@@ -96,7 +111,9 @@ def test_replaced_library_in_a_private_cache_is_not_loaded_but_rebuilt(tmp_path)
     size = os.path.getsize(library_in(key_dir))
     with open(library_in(key_dir), "wb") as dst:  # same size: only the hash tells them apart
         dst.write(planted + b"\0" * (size - len(planted)))
-    res = result(p := run_probe(cache, tmp_path / "home", patch=FAKE_COMPILE.format(good=good_build()[2])))
+    res = result(
+        p := run_probe(cache, tmp_path / "home", patch=FAKE_COMPILE.format(good=good_build()[2]))
+    )
     assert not ran.exists(), "the replaced library was loaded"
     assert res["backend"].startswith("cpp-") and res["correct"] and not res["warnings"], res
     assert res["library"] == library_in(key_dir)
@@ -116,8 +133,13 @@ def test_group_writable_cache_is_refused_with_one_warning(tmp_path):
     res = result(p := run_probe(cache, home))
     assert res["backend"].startswith("cpp-") and res["correct"], res
     assert res["library"].startswith(str(home)), res
-    _one_warning(res, f"{cache} is group-writable (mode 0770)", f"chmod go-w {cache}",
-                 "PADDLE_MGRAD_TRUST_SHARED_CACHE=1", f"Using {home}")
+    _one_warning(
+        res,
+        f"{cache} is group-writable (mode 0770)",
+        f"chmod go-w {cache}",
+        "PADDLE_MGRAD_TRUST_SHARED_CACHE=1",
+        f"Using {home}",
+    )
     assert COMPILING not in p.stdout + p.stderr
 
 
@@ -132,8 +154,13 @@ def test_refused_default_cache_falls_back_with_one_warning(tmp_path):
     res = result(p)
     # CPU tier "python"; a CUDA wheel adds ";gpu=paddle-fused" (Paddle's own fused GPU kernel)
     assert res["backend"].split(";")[0] == "python" and res["correct"] is None, res
-    _one_warning(res, "pure-Paddle fallback", f"{default} is group- and world-writable (mode 0777)",
-                 f"chmod go-w {default}", "Fix:")
+    _one_warning(
+        res,
+        "pure-Paddle fallback",
+        f"{default} is group- and world-writable (mode 0777)",
+        f"chmod go-w {default}",
+        "Fix:",
+    )
     assert COMPILING not in p.stdout + p.stderr
 
 
@@ -228,8 +255,11 @@ def test_created_directories_are_private_and_files_not_writable_by_others(tmp_pa
     file is group/world-writable.  (Compiler step faked; the real build is checked in
     tests/ops/test_build.py.)"""
     cache = tmp_path / "a" / "b" / "cache"
-    res = result(run_probe(cache, tmp_path / "home", umask=0o002,
-                           patch=FAKE_COMPILE.format(good=good_build()[2])))
+    res = result(
+        run_probe(
+            cache, tmp_path / "home", umask=0o002, patch=FAKE_COMPILE.format(good=good_build()[2])
+        )
+    )
     assert res["backend"].startswith("cpp-"), res
     for path in (tmp_path / "a", tmp_path / "a" / "b"):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700, path
@@ -302,10 +332,17 @@ def test_report_directory_is_created_private(tmp_path, monkeypatch):
 def test_report_naming_a_file_gives_one_warning_line_not_a_traceback(tmp_path):
     report = tmp_path / "report.json"
     report.write_text("not a directory\n")
-    p = run_probe(tmp_path / "cache", tmp_path / "home", pth=True, code="""
+    p = run_probe(
+        tmp_path / "cache",
+        tmp_path / "home",
+        pth=True,
+        code="""
         import paddle
         print("ran")
-    """, PADDLE_MGRAD="recompute", PADDLE_MGRAD_REPORT=str(report))
+    """,
+        PADDLE_MGRAD="recompute",
+        PADDLE_MGRAD_REPORT=str(report),
+    )
     assert p.returncode == 0 and "ran" in p.stdout, p.stdout + p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if "PADDLE_MGRAD_REPORT" in ln]

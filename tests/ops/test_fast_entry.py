@@ -18,6 +18,7 @@ custom-op dispatch (it costs the host more than the kernels at small shapes).
 * Garbage arguments in a subprocess: exceptions, never a signal.  Threads: the GIL is released
   while a kernel runs; concurrent calls stay exact.
 """
+
 import subprocess
 import sys
 import textwrap
@@ -63,10 +64,15 @@ def _untouched(accs, call):
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
-@given(lead=st.lists(st.integers(0, 9), min_size=1, max_size=2), k=st.integers(1, 70),
-       n=st.integers(0, 70), bias=st.booleans(), given_acc=st.booleans(),
-       strided=st.sampled_from(["none", "x", "dout", "weight", "dweight"]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    lead=st.lists(st.integers(0, 9), min_size=1, max_size=2),
+    k=st.integers(1, 70),
+    n=st.integers(0, 70),
+    bias=st.booleans(),
+    given_acc=st.booleans(),
+    strided=st.sampled_from(["none", "x", "dout", "weight", "dweight"]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_linear_bwd_matches_float64(entry, lead, k, n, bias, given_acc, strided, seed):
     rs = np.random.RandomState(seed)
     x = rs.standard_normal(lead + [k]).astype("f4")
@@ -84,8 +90,14 @@ def test_linear_bwd_matches_float64(entry, lead, k, n, bias, given_acc, strided,
         mg = mb = None
     m = int(np.prod(lead))
     args = (tx, tdy, tw, mg, mb if bias else None, bias)
-    if m == 0 or n == 0 or not tx.is_contiguous() or not tdy.is_contiguous() or (
-            not tw.is_contiguous()) or (mg is not None and not mg.is_contiguous()):
+    if (
+        m == 0
+        or n == 0
+        or not tx.is_contiguous()
+        or not tdy.is_contiguous()
+        or (not tw.is_contiguous())
+        or (mg is not None and not mg.is_contiguous())
+    ):
         # a zero-size product (the checked path's) or a strided tensor (the checked path copies
         # x/dout, and writes a strided accumulator through): not for the entry, nothing written
         _untouched([mg, mb], lambda: entry.linear_bwd(*args))
@@ -93,8 +105,9 @@ def test_linear_bwd_matches_float64(entry, lead, k, n, bias, given_acc, strided,
     dx, dw, db = entry.linear_bwd(*args)
     x2, y2 = x.reshape(m, k).astype("f8"), dy.reshape(m, n).astype("f8")
     assert list(dx.shape) == lead + [k] and dx.dtype == paddle.float32
-    np.testing.assert_allclose(dx.numpy().reshape(m, k), y2 @ w.astype("f8").T,
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        dx.numpy().reshape(m, k), y2 @ w.astype("f8").T, rtol=1e-4, atol=1e-4
+    )
     np.testing.assert_array_equal(dx.numpy(), paddle.matmul(tdy, tw, transpose_y=True).numpy())
     if given_acc:  # in place: nothing new handed back for what the caller passed
         assert dw is None and db is None
@@ -110,10 +123,16 @@ def test_linear_bwd_matches_float64(entry, lead, k, n, bias, given_acc, strided,
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
-       mp=st.booleans(), lead=st.lists(st.integers(0, 7), min_size=1, max_size=2),
-       k=st.integers(1, 40), n=st.integers(1, 40), bias=st.booleans(), given_acc=st.booleans(),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+    mp=st.booleans(),
+    lead=st.lists(st.integers(0, 7), min_size=1, max_size=2),
+    k=st.integers(1, 40),
+    n=st.integers(1, 40),
+    bias=st.booleans(),
+    given_acc=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_wgrad_add_matches_float64(entry, dtype, mp, lead, k, n, bias, given_acc, seed):
     rs = np.random.RandomState(seed)
     wide = "float64" if dtype == "float64" else "float32"
@@ -133,8 +152,9 @@ def test_wgrad_add_matches_float64(entry, dtype, mp, lead, k, n, bias, given_acc
     assert dw.dtype == paddle.to_tensor(np.zeros(1, "f4")).astype(acc).dtype
     np.testing.assert_allclose(dw.astype("float64").numpy(), base + x2.T @ y2, rtol=tol, atol=tol)
     if bias:
-        np.testing.assert_allclose(db.astype("float64").numpy(), base + y2.sum(0), rtol=tol,
-                                   atol=tol)
+        np.testing.assert_allclose(
+            db.astype("float64").numpy(), base + y2.sum(0), rtol=tol, atol=tol
+        )
     else:
         assert db is None
 
@@ -147,8 +167,14 @@ def _refused_calls():
         "weight K": (x, dy, paddle.randn([6, 3]), mg, mb, True),
         "weight dtype": (x, dy, w.astype("float64"), mg, mb, True),
         "x dtype": (x.astype("float64"), dy.astype("float64"), w, mg, mb, True),
-        "bfloat16": (x.astype("bfloat16"), dy.astype("bfloat16"), w.astype("bfloat16"), mg, mb,
-                     True),
+        "bfloat16": (
+            x.astype("bfloat16"),
+            dy.astype("bfloat16"),
+            w.astype("bfloat16"),
+            mg,
+            mb,
+            True,
+        ),
         "float64 accumulators for float32": (x, dy, w, mg.astype("float64"), None, False),
         "leading dims": (x, paddle.randn([5, 3]), w, mg, mb, True),
         "dweight shape": (x, dy, w, paddle.ones([3, 5]), mb, True),
@@ -170,8 +196,7 @@ def test_a_refused_call_writes_nothing(entry, case):
     _untouched(accs, lambda: entry.linear_bwd(*args))
     # the same accumulators refused by the weight-gradient kernel, where they are the problem
     if case.startswith(("dweight", "dbias", "float64 acc", "numpy dweight", "leading", "x dtype")):
-        _untouched(accs, lambda: entry.wgrad_add(args[0], args[1], args[3], args[4], True,
-                                                 args[5]))
+        _untouched(accs, lambda: entry.wgrad_add(args[0], args[1], args[3], args[4], True, args[5]))
 
 
 def test_float64(entry):
@@ -212,8 +237,9 @@ def _make(draw, kind, shape, dtype, grad):
     if kind == "selected_rows" and len(shape) == 2 and shape[0] and shape[1]:
         return _selected_rows(*shape)
     if kind == "param" and shape and 0 not in shape and dtype != "int32":
-        p = paddle.create_parameter(shape, dtype,
-                                    default_initializer=paddle.nn.initializer.Constant(1.0))
+        p = paddle.create_parameter(
+            shape, dtype, default_initializer=paddle.nn.initializer.Constant(1.0)
+        )
         p.stop_gradient = not grad
         return p
     if kind == "strided" and shape:
@@ -252,8 +278,9 @@ def _linear_args(draw):
         role = draw(st.sampled_from(sorted(shapes)))
         change = draw(st.sampled_from(["kind", "rank", "dim", "dtype", "zero"]))
         if change == "kind":
-            kinds[role] = draw(st.sampled_from(["numpy", "tuple", "strided", "uninitialized",
-                                                "selected_rows"]))
+            kinds[role] = draw(
+                st.sampled_from(["numpy", "tuple", "strided", "uninitialized", "selected_rows"])
+            )
         elif change == "rank":
             shapes[role] = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
         elif change == "dim" and shapes[role]:
@@ -300,10 +327,12 @@ def test_route_common_cases(entry):
     assert ops.fast_route(x, w, None, False) == ("float32", "cpu")
     assert ops.fast_route(x, w.T, None, True) == ("float32", "cpu")
     assert ops.fast_route(paddle.randn([2, 3]), w, b, False) is False  # K mismatch
-    assert ops.fast_route(x.astype("float64"), w, b, False) is None   # dtype mix: Paddle's
+    assert ops.fast_route(x.astype("float64"), w, b, False) is None  # dtype mix: Paddle's
     assert ops.fast_route(x, w, paddle.randn([1, 3]), False) is None  # broadcast bias
     assert ops.fast_route(paddle.randn([2, 0]), paddle.randn([0, 3]), None, False) == (
-        "float32", None)  # K = 0: not the common case of the fast backward
+        "float32",
+        None,
+    )  # K = 0: not the common case of the fast backward
     with pytest.raises(TypeError):
         ops.fast_route(x, w, b)
 
@@ -339,8 +368,12 @@ GARBAGE = """
 
 
 def test_garbage_arguments_never_crash(entry):
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(GARBAGE)], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(GARBAGE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-3000:]}"
     assert "CALLS" in r.stdout
 
@@ -470,6 +503,9 @@ def test_the_op_and_the_python_check_refuse_the_same_calls(entry, call):
         python_refuses = True
     op_refuses = entry.wgrad_add(x, dy, dw, db if has_bias else None, mp, has_bias) is None
     event(f"refused: {python_refuses}")
-    assert op_refuses == python_refuses, (python_refuses, [
-        None if t is None else (list(t.shape), str(t.dtype)) for t in (x, dy, dw, db)], mp,
-        has_bias)
+    assert op_refuses == python_refuses, (
+        python_refuses,
+        [None if t is None else (list(t.shape), str(t.dtype)) for t in (x, dy, dw, db)],
+        mp,
+        has_bias,
+    )

@@ -4,6 +4,7 @@ GEMM's best algorithm, the bias kernel's grid and its exact order of additions (
 re-planning without cuBLASLt workspace under memory pressure, the C ABI's own checks (M = 0
 betas, someone else's pending CUDA error, pointers and stream on the call's device), the
 heuristic's row buckets and the bounded algorithm cache."""
+
 import ctypes
 
 import numpy as np
@@ -15,21 +16,66 @@ MODE = {"auto": 0, "epilogue": 1, "kernel": 2}
 
 # what cuBLASLt answers for a LoRA-like weight gradient (K*N small, M large): the plain GEMM's
 # best splits K 4 ways; the split-K-free epilogue algorithm fills a third of the SMs
-SPLITK = dict(plain_algo=21, plain_tile=18, plain_stages=8, plain_splitk=4, plain_waves=0.9,
-              epi_algo=21, epi_tile=18, epi_stages=8, epi_waves=0.3)
+SPLITK = dict(
+    plain_algo=21,
+    plain_tile=18,
+    plain_stages=8,
+    plain_splitk=4,
+    plain_waves=0.9,
+    epi_algo=21,
+    epi_tile=18,
+    epi_stages=8,
+    epi_waves=0.3,
+)
 BASE = 0x7F0000001000  # a 256-byte aligned fake device address (never dereferenced)
 
 
-def core(capi, M=4096, K=64, N=64, in_dtype="bfloat16", dw="float32", db="float32", beta=1.0,
-         db_beta=1.0, has_db=True, has_dw=True, mode="auto", device=0, sim=0, fail=0, **gpu):
+def core(
+    capi,
+    M=4096,
+    K=64,
+    N=64,
+    in_dtype="bfloat16",
+    dw="float32",
+    db="float32",
+    beta=1.0,
+    db_beta=1.0,
+    has_db=True,
+    has_dw=True,
+    mode="auto",
+    device=0,
+    sim=0,
+    fail=0,
+    **gpu,
+):
     """One call of the core's flow on the fake GPU -> (rc, steps, report fields, error)."""
     cfg = type(capi).FakeGpuConfig(**gpu)
     trace, report, err = (ctypes.create_string_buffer(2048) for _ in range(3))
-    rc = capi.lib.pmg_fake_cuda_core(BASE, BASE + (1 << 24), DT[in_dtype], M, K, N,
-                                BASE + (2 << 24) if has_dw else None, DT[dw], beta,
-                                BASE + (3 << 24) if has_db else None, DT[db], db_beta, device,
-                                MODE[mode], sim, fail, ctypes.byref(cfg), trace, len(trace),
-                                report, len(report), err, len(err))
+    rc = capi.lib.pmg_fake_cuda_core(
+        BASE,
+        BASE + (1 << 24),
+        DT[in_dtype],
+        M,
+        K,
+        N,
+        BASE + (2 << 24) if has_dw else None,
+        DT[dw],
+        beta,
+        BASE + (3 << 24) if has_db else None,
+        DT[db],
+        db_beta,
+        device,
+        MODE[mode],
+        sim,
+        fail,
+        ctypes.byref(cfg),
+        trace,
+        len(trace),
+        report,
+        len(report),
+        err,
+        len(err),
+    )
     line = report.value.decode()
     fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
     fields["line"] = line
@@ -50,9 +96,12 @@ def launch(steps):
 def test_epilogue_when_its_algorithm_is_the_plain_gemms_best(capi):
     rc, steps, rep, err = core(capi, gemm_workspace=4096)
     assert rc == 0, err
-    assert steps == ["heuristic(epilogue,M=4096,ws<=33554432)", "heuristic(plain,M=4096,ws<=33554432)",
-                     f"alloc({workspace(capi, 1, 4096, 64, 64, 4096)})",
-                     "launch(bias=epilogue,gemm_ws=4096,splitk=1,splits=0)"]
+    assert steps == [
+        "heuristic(epilogue,M=4096,ws<=33554432)",
+        "heuristic(plain,M=4096,ws<=33554432)",
+        f"alloc({workspace(capi, 1, 4096, 64, 64, 4096)})",
+        "launch(bias=epilogue,gemm_ws=4096,splitk=1,splits=0)",
+    ]
     assert rep["bias"] == "epilogue" and rep["ws_retry"] == "0"
 
 
@@ -66,10 +115,14 @@ def test_split_k_plain_gemm_plus_bias_kernel_when_the_epilogue_would_lose_it(cap
     assert want != workspace(capi, 1, 4096, 64, 64, 8192)  # not the epilogue's size
     assert steps[2] == f"alloc({want})"
     (ran,) = launch(steps)
-    assert ran.startswith("launch(bias=kernel,gemm_ws=8192,splitk=4,splits=") and not ran.endswith("splits=0)")
+    assert ran.startswith("launch(bias=kernel,gemm_ws=8192,splitk=4,splits=") and not ran.endswith(
+        "splits=0)"
+    )
     assert rep["bias"] == "kernel"
-    assert "(the epilogue's algorithm (0.30 waves) is not the plain GEMM's best (algorithm 21, " \
-           "split-K 4, 0.90 waves): plain GEMM + bias kernel)" in rep["line"]
+    assert (
+        "(the epilogue's algorithm (0.30 waves) is not the plain GEMM's best (algorithm 21, "
+        "split-K 4, 0.90 waves): plain GEMM + bias kernel)" in rep["line"]
+    )
     rc, steps, rep, err = core(capi, **dict(SPLITK, epi_waves=1.0))  # the epilogue fills the GPU
     assert rc == 0 and rep["bias"] == "epilogue"
     rc, steps, rep, err = core(capi, **dict(SPLITK, plain_splitk=1, epi_tile=7))  # other tile
@@ -89,8 +142,12 @@ def test_forced_and_missing_epilogue(capi):
     rc, steps, rep, err = core(capi, epi_missing=1, plain_missing=1)
     assert rc == 1 and "cuBLASLt offers no algorithm" in err and not launch(steps)
     rc, steps, rep, err = core(capi, mode="kernel", **SPLITK)  # forced kernel: plain query only
-    assert rc == 0 and rep["bias"] == "kernel" and [s for s in steps if s.startswith("heuristic")] == \
-        ["heuristic(plain,M=4096,ws<=33554432)"]
+    assert (
+        rc == 0
+        and rep["bias"] == "kernel"
+        and [s for s in steps if s.startswith("heuristic")]
+        == ["heuristic(plain,M=4096,ws<=33554432)"]
+    )
 
 
 def test_bias_free_and_rowless_calls_ask_only_what_they_need(capi):
@@ -108,10 +165,15 @@ def test_memory_pressure_replans_without_gemm_workspace(capi):
     small = workspace(capi, 1, 4096, 64, 64, 0)
     rc, steps, rep, err = core(capi, gemm_workspace=1 << 20, alloc_limit=small)
     assert rc == 0, err
-    assert steps == ["heuristic(epilogue,M=4096,ws<=33554432)", "heuristic(plain,M=4096,ws<=33554432)",
-                     f"alloc-failed({big})", "heuristic(epilogue,M=4096,ws<=0)",
-                     "heuristic(plain,M=4096,ws<=0)", f"alloc({small})",
-                     "launch(bias=epilogue,gemm_ws=0,splitk=1,splits=0)"]
+    assert steps == [
+        "heuristic(epilogue,M=4096,ws<=33554432)",
+        "heuristic(plain,M=4096,ws<=33554432)",
+        f"alloc-failed({big})",
+        "heuristic(epilogue,M=4096,ws<=0)",
+        "heuristic(plain,M=4096,ws<=0)",
+        f"alloc({small})",
+        "launch(bias=epilogue,gemm_ws=0,splitk=1,splits=0)",
+    ]
     assert rep["ws_retry"] == "1" and rep["workspace"].startswith(f"{small}@")
 
 
@@ -150,7 +212,9 @@ def test_pending_cuda_error_is_reported_as_not_ours_before_anything(capi):
 @pytest.mark.parametrize("which,name", [(1, "x"), (2, "dy"), (3, "dweight"), (4, "dbias")])
 def test_every_pointer_must_be_device_memory_on_the_calls_device(capi, which, name):
     rc, steps, _, err = core(capi, device=1, misplaced=which, misplaced_kind=2, misplaced_device=0)
-    assert rc == 1 and steps == [] and err.startswith(f"{name} is on gpu:0 but the call runs on gpu:1")
+    assert (
+        rc == 1 and steps == [] and err.startswith(f"{name} is on gpu:0 but the call runs on gpu:1")
+    )
     rc, steps, _, err = core(capi, device=1, misplaced=which, misplaced_kind=0)
     assert rc == 1 and err.startswith(f"{name} is host memory, not device memory on gpu:1")
     rc, steps, _, err = core(capi, device=1, misplaced=which, misplaced_kind=1)
@@ -163,7 +227,11 @@ def test_unread_pointers_are_not_checked_and_the_stream_is(capi):
     rc, _, _, err = core(capi, M=0, beta=1.0, misplaced=1, misplaced_kind=0)  # x unread at M = 0
     assert rc == 0, err
     rc, steps, _, err = core(capi, device=1, stream_elsewhere=1)  # the stream is on gpu:0
-    assert rc == 1 and steps == [] and err.startswith("the stream belongs to gpu:0 but the call runs on gpu:1")
+    assert (
+        rc == 1
+        and steps == []
+        and err.startswith("the stream belongs to gpu:0 but the call runs on gpu:1")
+    )
 
 
 def test_cuda_13_build_refuses_volta_even_without_bias(capi):
@@ -171,8 +239,13 @@ def test_cuda_13_build_refuses_volta_even_without_bias(capi):
     anything, with or without a bias; a CUDA 12 build runs the bias-free GEMM there."""
     for has_db in (True, False):
         rc, steps, _, err = core(capi, capability=70, has_db=has_db)
-        assert rc == 1 and steps == [] and err.startswith(
-            "this GPU is sm_70 but paddle_mgrad's CUDA part was built with CUDA 13")
+        assert (
+            rc == 1
+            and steps == []
+            and err.startswith(
+                "this GPU is sm_70 but paddle_mgrad's CUDA part was built with CUDA 13"
+            )
+        )
         assert "dropped Maxwell, Pascal and Volta" in err and "PADDLE_MGRAD_NO_CUDA=1" in err
     rc, steps, _, err = core(capi, capability=70, has_db=False, cuda_major=12)
     assert rc == 0, err
@@ -215,8 +288,9 @@ def bias_plan(capi, M, N, in_dtype="bfloat16", address=BASE, sms=132):
     return dict(zip(("vec", "tx", "ty", "col_blocks", "splits", "rows_per"), list(out)))
 
 
-@pytest.mark.parametrize("M,N", [(16384, 16), (16384, 4096), (16384, 14336), (128, 64), (10 ** 6, 8),
-                                 (300, 11008), (1, 1)])
+@pytest.mark.parametrize(
+    "M,N", [(16384, 16), (16384, 4096), (16384, 14336), (128, 64), (10**6, 8), (300, 11008), (1, 1)]
+)
 def test_bias_kernel_grid(capi, M, N):
     p = bias_plan(capi, M, N)
     assert p["tx"] * p["ty"] == 256 and p["ty"] & (p["ty"] - 1) == 0  # a power-of-two tree
@@ -255,7 +329,7 @@ def emulate(dy32, plan):
                 lanes[t] = lanes[t] + dy32[m]
         stride = ty // 2
         while stride:
-            lanes[:stride] = lanes[:stride] + lanes[stride:2 * stride]
+            lanes[:stride] = lanes[:stride] + lanes[stride : 2 * stride]
             stride //= 2
         partial[s] = lanes[0]
 
@@ -289,7 +363,11 @@ def test_bias_reference_follows_the_kernels_order_to_the_bit(capi, M, N, sms):
     want = emulate(dy, plan).astype(np.float64)
     np.testing.assert_array_equal(got, want)
     exact = dy.astype(np.float64).sum(0)
-    bound = np.abs(dy).astype(np.float64).sum(0) * 2.0 ** -24 * (np.log2(M) + plan["rows_per"] / plan["ty"] + 2)
+    bound = (
+        np.abs(dy).astype(np.float64).sum(0)
+        * 2.0**-24
+        * (np.log2(M) + plan["rows_per"] / plan["ty"] + 2)
+    )
     assert (np.abs(got - exact) <= bound).all()
 
 

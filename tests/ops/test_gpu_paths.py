@@ -4,6 +4,7 @@ capability), the per-place dispatch to our op / Paddle's fused op / the fallback
 placement; the CUDA core's decisions (csrc/wgrad_gpu_plan.cc: alignment, kernel images, bias
 path, workspace, places) and the Paddle binding's GPU branch (csrc/wgrad_gpu_flow.h) on a
 recording fake host, both through the test library's C ABI (the capi fixture); the overlap linears' GPU aid."""
+
 import ctypes
 import os
 import stat
@@ -31,7 +32,9 @@ def fake_toolkit(root, version=13000, cublas=False, cudart=True, thrust="cccl"):
     home = str(root / f"cuda-{version}")
     nvcc = _touch(os.path.join(home, "bin", "nvcc"), "#!/bin/sh\n")
     os.chmod(nvcc, os.stat(nvcc).st_mode | stat.S_IEXEC)
-    _touch(os.path.join(home, "include", "cuda_runtime_api.h"), f"#define CUDART_VERSION {version}\n")
+    _touch(
+        os.path.join(home, "include", "cuda_runtime_api.h"), f"#define CUDART_VERSION {version}\n"
+    )
     major = version // 1000
     if cudart:
         _touch(os.path.join(home, "include", "cuda_runtime.h"))
@@ -56,8 +59,9 @@ def fake_wheel(site, pkg, major, header="cublasLt.h", lib="libcublasLt"):
 
 def find(home, site, **kw):
     kw.setdefault("need_thrust", True)
-    return bc.find_cuda(search_paths=[str(site)], environ={}, which=lambda _: None,
-                        default_home=home, **kw)
+    return bc.find_cuda(
+        search_paths=[str(site)], environ={}, which=lambda _: None, default_home=home, **kw
+    )
 
 
 def test_toolkit_plus_same_major_wheel_links_by_file_name_with_rpath(tmp_path):
@@ -65,7 +69,9 @@ def test_toolkit_plus_same_major_wheel_links_by_file_name_with_rpath(tmp_path):
     wheel = fake_wheel(tmp_path / "site", "cu13", 13)
     tk = find(home, tmp_path / "site")
     assert tk.ok, tk.problem()
-    assert tk.version == (13, 0) and tk.home == home and tk.nvcc == os.path.join(home, "bin", "nvcc")
+    assert (
+        tk.version == (13, 0) and tk.home == home and tk.nvcc == os.path.join(home, "bin", "nvcc")
+    )
     lib = os.path.join(wheel, "lib")
     assert tk.link_args() == [f"-L{lib}", "-l:libcublasLt.so.13", f"-Wl,-rpath,{lib}"]
     assert "-Xlinker=-l:libcublasLt.so.13" in tk.nvcc_link_args()
@@ -128,8 +134,12 @@ def test_nvcc_wrapper_on_path_is_skipped_for_the_real_toolkit(tmp_path):
     os.chmod(wrapper, 0o755)
     os.makedirs(tmp_path / "usr" / "include")
     fake_wheel(tmp_path / "site", "cu13", 13)
-    tk = bc.find_cuda(search_paths=[str(tmp_path / "site")], environ={}, which=lambda _: wrapper,
-                      default_home=home)
+    tk = bc.find_cuda(
+        search_paths=[str(tmp_path / "site")],
+        environ={},
+        which=lambda _: wrapper,
+        default_home=home,
+    )
     assert tk.ok and tk.home == home
 
 
@@ -186,7 +196,8 @@ def test_incomplete_toolkit_keeps_the_cpu_op_and_warns_once(monkeypatch, fresh_o
     info = real.pmg_backend_info(paddle.zeros([1])).numpy()
     cpu_only = types.SimpleNamespace(  # the real CPU op, reporting no CUDA part (as when missing)
         pmg_fused_wgrad_add=real.pmg_fused_wgrad_add,
-        pmg_backend_info=lambda t: paddle.to_tensor(np.array([info[0], 0], "int32")))
+        pmg_backend_info=lambda t: paddle.to_tensor(np.array([info[0], 0], "int32")),
+    )
     monkeypatch.setattr(_build, "load_op_module", lambda: (cpu_only, problem))
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(loader, "_paddle_has_gpu_fused_op", lambda: True)
@@ -209,7 +220,9 @@ def test_incomplete_toolkit_builds_only_the_cpu_module(monkeypatch, tmp_path):
     monkeypatch.setattr(_build, "want_cuda", lambda: True)
     monkeypatch.setattr(_build, "cuda_toolkit", lambda: _FakeTk(False, "missing cublasLt: pip ..."))
     calls = []
-    monkeypatch.setattr(_build, "_load", lambda d, k, cuda, verbose=False: calls.append(cuda) or "m")
+    monkeypatch.setattr(
+        _build, "_load", lambda d, k, cuda, verbose=False: calls.append(cuda) or "m"
+    )
     assert _build.load_op_module() == ("m", "missing cublasLt: pip ...") and calls == [False]
     monkeypatch.setattr(_build, "want_cuda", lambda: False)  # CPU Paddle: no CUDA problem at all
     monkeypatch.setenv("PADDLE_MGRAD_CACHE", str(tmp_path / "other"))
@@ -243,7 +256,7 @@ def test_cuda_flags_come_from_the_toolkit(monkeypatch):
     monkeypatch.setattr(_build, "cuda_toolkit", lambda: _FakeTk(True))
     sources, cflags, ldflags, nvcc = _build.build_config(cuda=True)
     assert "wgrad_cuda.cu" in sources and bc.CUDA_DEFINE in cflags
-    assert nvcc[:len(bc.NVCC_FLAGS)] == bc.NVCC_FLAGS
+    assert nvcc[: len(bc.NVCC_FLAGS)] == bc.NVCC_FLAGS
     assert "-l:libcublasLt.so.13" in ldflags and "-lcublas" not in ldflags
     assert _build.build_key(True) != _build.build_key(False)
     assert "wgrad_cuda.cu" not in _build.build_config(cuda=False)[0]
@@ -331,8 +344,9 @@ def test_gpu_tier_is_decided_once_not_per_call(fake_gpu, monkeypatch):
             monkeypatch.setattr(paddle, "is_compiled_with_cuda", boom)
             monkeypatch.setattr(loader, "_paddle_has_gpu_fused_op", boom)
             monkeypatch.setattr(_build, "load_op_module", boom)
-            monkeypatch.setattr(paddle.framework.core, "_get_all_register_op_kernels", boom,
-                                raising=False)
+            monkeypatch.setattr(
+                paddle.framework.core, "_get_all_register_op_kernels", boom, raising=False
+            )
             x, dy, x2, y2 = _data()
             mg = paddle.zeros([4, 3])
             fake_gpu.clear()
@@ -412,23 +426,53 @@ def test_pointer_alignment_for_cublaslt(capi):
 
 
 def test_kernel_image_rule_matches_build_config(capi):
-    for targets in (bc.DEFAULT_TARGETS, ("sm_80",), ("compute_80",), ("sm_90a",),
-                    ("sm_75", "sm_80", "compute_90"), ("sm_100", "compute_120")):
+    for targets in (
+        bc.DEFAULT_TARGETS,
+        ("sm_80",),
+        ("compute_80",),
+        ("sm_90a",),
+        ("sm_75", "sm_80", "compute_90"),
+        ("sm_100", "compute_120"),
+    ):
         text = "+".join(targets).encode()
         for cap in (61, 70, 75, 80, 86, 89, 90, 100, 103, 120, 121):
-            assert bool(capi.lib.pmg_targets_cover(text, cap)) == bc.covers(targets, cap), (targets, cap)
+            assert bool(capi.lib.pmg_targets_cover(text, cap)) == bc.covers(targets, cap), (
+                targets,
+                cap,
+            )
     t = b"sm_80+sm_90+compute_90"
     assert not capi.lib.pmg_targets_cover(t, 70) and not capi.lib.pmg_targets_cover(t, 75)
     assert all(capi.lib.pmg_targets_cover(t, c) for c in (80, 86, 89, 90, 100, 120))
     assert not capi.lib.pmg_targets_cover(b"", 90)
 
 
-def _choose(capi, in_dtype="bfloat16", M=64, K=32, N=16, dw="float32", db="float32", mode="auto",
-            has_dw=True, has_db=True):
+def _choose(
+    capi,
+    in_dtype="bfloat16",
+    M=64,
+    K=32,
+    N=16,
+    dw="float32",
+    db="float32",
+    mode="auto",
+    has_dw=True,
+    has_db=True,
+):
     why = ctypes.create_string_buffer(256)
     c = {"float32": 0, "bfloat16": 1, "float16": 2, "float64": 3}
-    path = capi.lib.pmg_choose_bias(c[in_dtype], M, K, N, int(has_dw), c[dw], int(has_db), c[db],
-                                    {"auto": 0, "epilogue": 1, "kernel": 2}[mode], why, len(why))
+    path = capi.lib.pmg_choose_bias(
+        c[in_dtype],
+        M,
+        K,
+        N,
+        int(has_dw),
+        c[dw],
+        int(has_db),
+        c[db],
+        {"auto": 0, "epilogue": 1, "kernel": 2}[mode],
+        why,
+        len(why),
+    )
     return path, why.value.decode()
 
 
@@ -457,8 +501,10 @@ def test_bias_mode_setting_is_parsed_like_env_py(capi):
     for text, want in ((None, 0), (b"", 0), (b"auto", 0), (b" Kernel ", 2), (b"EPILOGUE", 1)):
         assert parse(text, err, len(err)) == want, text
         if text is not None:
-            assert env.get("PADDLE_MGRAD_CUDA_BIAS", {"PADDLE_MGRAD_CUDA_BIAS": text.decode()}) == \
-                ["auto", "epilogue", "kernel"][want]
+            assert (
+                env.get("PADDLE_MGRAD_CUDA_BIAS", {"PADDLE_MGRAD_CUDA_BIAS": text.decode()})
+                == ["auto", "epilogue", "kernel"][want]
+            )
     assert parse(b"fused", err, len(err)) == -1
     assert b"PADDLE_MGRAD_CUDA_BIAS='fused'" in err.value and b"epilogue" in err.value
     with pytest.raises(EnvError, match="PADDLE_MGRAD_CUDA_BIAS"):
@@ -468,8 +514,16 @@ def test_bias_mode_setting_is_parsed_like_env_py(capi):
 def _plan(capi, path, M=4096, K=64, N=1000, gemm_ws=1000, sms=132, in_dtype=1):
     out = (ctypes.c_int64 * 8)()
     capi.lib.pmg_plan_workspace(in_dtype, M, K, N, path, gemm_ws, sms, out)
-    keys = ("gemm_offset", "tmp_offset", "tmp_bytes", "partial_offset", "partial_bytes", "splits",
-            "total", "request")
+    keys = (
+        "gemm_offset",
+        "tmp_offset",
+        "tmp_bytes",
+        "partial_offset",
+        "partial_bytes",
+        "splits",
+        "total",
+        "request",
+    )
     return dict(zip(keys, list(out)))
 
 
@@ -483,10 +537,12 @@ def test_workspace_plan(capi):
     assert _plan(capi, 2, in_dtype=3)["partial_bytes"] == k["splits"] * 1000 * 8  # fp64 sums
     assert _plan(capi, 2, M=0, gemm_ws=0)["request"] == 0  # no rows: nothing to allocate
     assert _plan(capi, 0, gemm_ws=0)["request"] == 0
-    assert _plan(capi, 2, M=10 ** 6, N=10 ** 7)["splits"] == 1  # a huge N: partials <= 64 MiB
-    assert _plan(capi, 2, M=10 ** 6, N=14336)["splits"] == -(-10 ** 6 // 4096)  # <= 4096 rows each
+    assert _plan(capi, 2, M=10**6, N=10**7)["splits"] == 1  # a huge N: partials <= 64 MiB
+    assert _plan(capi, 2, M=10**6, N=14336)["splits"] == -(-(10**6) // 4096)  # <= 4096 rows each
     for p in (_plan(capi, 1, gemm_ws=777), _plan(capi, 2, gemm_ws=5000)):
-        assert all(p[k] % 256 == 0 for k in ("gemm_offset", "tmp_offset", "partial_offset", "total"))
+        assert all(
+            p[k] % 256 == 0 for k in ("gemm_offset", "tmp_offset", "partial_offset", "total")
+        )
 
 
 def test_element_alignment_check(capi):
@@ -525,9 +581,20 @@ def test_every_input_must_be_on_xs_device(capi):
 
 
 # ------------------------------------------------------------------ the binding's GPU branch
-def _flow(capi, places=((1, 1), (1, 1), (1, 1), (1, 1)), has_dweight=True, has_bias=True,
-          has_dbias=True, env=None, current=0, fail=0, in_dtype=1, shape=(2, 2, 2), report=False,
-          **gpu):
+def _flow(
+    capi,
+    places=((1, 1), (1, 1), (1, 1), (1, 1)),
+    has_dweight=True,
+    has_bias=True,
+    has_dbias=True,
+    env=None,
+    current=0,
+    fail=0,
+    in_dtype=1,
+    shape=(2, 2, 2),
+    report=False,
+    **gpu,
+):
     """The binding's GPU branch on the fake host, the core's steps on a fake GPU (`gpu`: fields
     of FakeGpuConfig) -> (rc, steps, error[, the core's report line])."""
     n = 2 + int(has_dweight) + int(has_bias and has_dbias)
@@ -537,9 +604,27 @@ def _flow(capi, places=((1, 1), (1, 1), (1, 1), (1, 1)), has_dweight=True, has_b
     trace, rep, err = (ctypes.create_string_buffer(2048) for _ in range(3))
     cfg = type(capi).FakeGpuConfig(**gpu)
     M, K, N = shape
-    rc = capi.lib.pmg_fake_gpu_flow_ex(kinds, devs, int(has_dweight), int(has_bias), int(has_dbias),
-                                       in_dtype, M, K, N, env, current, fail, ctypes.byref(cfg),
-                                       trace, len(trace), rep, len(rep), err, len(err))
+    rc = capi.lib.pmg_fake_gpu_flow_ex(
+        kinds,
+        devs,
+        int(has_dweight),
+        int(has_bias),
+        int(has_dbias),
+        in_dtype,
+        M,
+        K,
+        N,
+        env,
+        current,
+        fail,
+        ctypes.byref(cfg),
+        trace,
+        len(trace),
+        rep,
+        len(rep),
+        err,
+        len(err),
+    )
     out = (rc, trace.value.decode().split(), err.value.decode())
     return out + (rep.value.decode(),) if report else out
 
@@ -550,9 +635,17 @@ def test_binding_enters_the_device_guard_before_stream_and_allocations(capi):
     scratch from the host's allocator; the guard is released last."""
     rc, steps, err = _flow(capi, ((1, 1), (1, 1)), has_dweight=False, has_dbias=False, current=0)
     assert rc == 0, err
-    assert steps[:5] == ["guard(1)", "stream(1)", "alloc-dweight(1)", "alloc-dbias(1)",
-                         "core(device=1,stream=1,bias=auto)"]
-    assert steps[5:7] == ["heuristic(epilogue,M=2,ws<=33554432)", "heuristic(plain,M=2,ws<=33554432)"]
+    assert steps[:5] == [
+        "guard(1)",
+        "stream(1)",
+        "alloc-dweight(1)",
+        "alloc-dbias(1)",
+        "core(device=1,stream=1,bias=auto)",
+    ]
+    assert steps[5:7] == [
+        "heuristic(epilogue,M=2,ws<=33554432)",
+        "heuristic(plain,M=2,ws<=33554432)",
+    ]
     assert steps[7] == "workspace(511@1)"  # 2 fp32 for BGRADA (256 bytes + 255 to align), gpu:1
     assert steps[8:] == ["launch(bias=epilogue,gemm_ws=0,splitk=1,splits=0)", "unguard(0)"]
 
@@ -602,13 +695,24 @@ def test_fake_scratch_follows_the_path_chosen_after_the_heuristic(capi):
     M, K, N = 4096, 64, 64
     rc, steps, err = _flow(capi, shape=(M, K, N), gemm_workspace=4096)
     assert rc == 0 and f"workspace({_plan_request(capi, 1, M, K, N, 4096)}@1)" in steps, steps
-    rc, steps, err, rep = _flow(capi, shape=(M, K, N), gemm_workspace=4096, report=True,
-                                plain_algo=21, plain_splitk=4, epi_waves=0.25, plain_waves=0.9)
+    rc, steps, err, rep = _flow(
+        capi,
+        shape=(M, K, N),
+        gemm_workspace=4096,
+        report=True,
+        plain_algo=21,
+        plain_splitk=4,
+        epi_waves=0.25,
+        plain_waves=0.9,
+    )
     kernel = _plan_request(capi, 2, M, K, N, 4096)
     assert rc == 0 and f"workspace({kernel}@1)" in steps and "bias=kernel" in rep, (steps, rep)
-    assert [s for s in steps if s.startswith("launch")][0].startswith("launch(bias=kernel,gemm_ws=4096,splitk=4")
-    rc, steps, err, rep = _flow(capi, shape=(M, K, N), sms=8, report=True, plain_splitk=4,
-                                plain_algo=21)  # fewer SMs: fewer slices, smaller scratch
+    assert [s for s in steps if s.startswith("launch")][0].startswith(
+        "launch(bias=kernel,gemm_ws=4096,splitk=4"
+    )
+    rc, steps, err, rep = _flow(
+        capi, shape=(M, K, N), sms=8, report=True, plain_splitk=4, plain_algo=21
+    )  # fewer SMs: fewer slices, smaller scratch
     assert f"workspace({_plan_request(capi, 2, M, K, N, 0, sms=8)}@1)" in steps
 
 
@@ -617,11 +721,15 @@ def test_memory_pressure_through_the_hosts_allocator(capi):
     Paddle's allocator again, on the guarded device; report ws_retry=1."""
     M, K, N = 4096, 64, 64
     big, small = (_plan_request(capi, 1, M, K, N, ws) for ws in (1 << 22, 0))
-    rc, steps, err, rep = _flow(capi, shape=(M, K, N), gemm_workspace=1 << 22, alloc_limit=small,
-                                report=True)
+    rc, steps, err, rep = _flow(
+        capi, shape=(M, K, N), gemm_workspace=1 << 22, alloc_limit=small, report=True
+    )
     assert rc == 0, err
     i = steps.index(f"alloc-failed({big})")
-    assert steps[i + 1:i + 3] == ["heuristic(epilogue,M=4096,ws<=0)", "heuristic(plain,M=4096,ws<=0)"]
+    assert steps[i + 1 : i + 3] == [
+        "heuristic(epilogue,M=4096,ws<=0)",
+        "heuristic(plain,M=4096,ws<=0)",
+    ]
     assert steps[i + 3] == f"workspace({small}@1)" and "ws_retry=1" in rep
     rc, steps, err = _flow(capi, shape=(M, K, N), gemm_workspace=1 << 22, fail=2)  # none at all
     assert rc == 1 and "nor" in err and "without cuBLASLt workspace" in err
@@ -655,7 +763,9 @@ def test_overlap_aid_warns_once_and_launches_unless_one_connection(monkeypatch, 
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        assert co.let_collective_start(paddle.zeros([2])) and co.let_collective_start(paddle.zeros([2]))
+        assert co.let_collective_start(paddle.zeros([2])) and co.let_collective_start(
+            paddle.zeros([2])
+        )
     msgs = [str(m.message) for m in w if "CUDA_DEVICE_MAX_CONNECTIONS" in str(m.message)]
     assert len(msgs) == 1 and "export CUDA_DEVICE_MAX_CONNECTIONS=1" in msgs[0]
     assert launches == [[512], [512]]

@@ -1,4 +1,5 @@
 """The fused weight-gradient op against a float64 reference, in place, with bad input."""
+
 import contextlib
 import json
 import os
@@ -97,26 +98,33 @@ def _check_close(got, want, scale, dtype_out):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     # small leading dims, and single ones around the widening chunk (1, 2 and 3 chunks)
-    lead=st.one_of(st.lists(st.integers(0, 9), min_size=1, max_size=2),
-                   st.integers(CHUNK_ROWS - 3, 2 * CHUNK_ROWS + 90).map(lambda m: [m])),
-    K=st.integers(0, 40), N=st.integers(0, 40),
+    lead=st.one_of(
+        st.lists(st.integers(0, 9), min_size=1, max_size=2),
+        st.integers(CHUNK_ROWS - 3, 2 * CHUNK_ROWS + 90).map(lambda m: [m]),
+    ),
+    K=st.integers(0, 40),
+    N=st.integers(0, 40),
     dtype=st.sampled_from(DTYPES),
-    give_w=st.booleans(), give_b=st.booleans(), has_bias=st.booleans(),
-    multi_precision=st.booleans(), seed=st.integers(0, 2**16),
+    give_w=st.booleans(),
+    give_b=st.booleans(),
+    has_bias=st.booleans(),
+    multi_precision=st.booleans(),
+    seed=st.integers(0, 2**16),
     bf16_path=st.sampled_from(["auto", "widen", "native"]),
     chunk_rows=st.sampled_from([None, CHUNK_ROWS, 7]),
 )
-def test_matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias,
-                                   multi_precision, seed, bf16_path, chunk_rows):
+def test_matches_float64_reference(
+    lead, K, N, dtype, give_w, give_b, has_bias, multi_precision, seed, bf16_path, chunk_rows
+):
     """Random shapes, dtypes, accumulators and bf16 paths against float64 (bf16_path
     "native" is oneDNN's reference bf16 kernel where CPU["native_bf16"] is False)."""
     with _bf16_path(bf16_path), _chunk_rows(chunk_rows):
-        _matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias, multi_precision,
-                                   seed)
+        _matches_float64_reference(
+            lead, K, N, dtype, give_w, give_b, has_bias, multi_precision, seed
+        )
 
 
-def _matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias, multi_precision,
-                               seed):
+def _matches_float64_reference(lead, K, N, dtype, give_w, give_b, has_bias, multi_precision, seed):
     rs = np.random.RandomState(seed)
     x = _t(rs.standard_normal(lead + [K]), dtype)
     dy = _t(rs.standard_normal(lead + [N]), dtype)
@@ -201,51 +209,171 @@ def test_fallback_gives_same_numbers(dtype, has_bias):
     a = ops.fused_linear_param_grad_add(x, dy, None, None, False, has_bias)
     b = _reference.fused_linear_param_grad_add(x, dy, None, None, False, has_bias)
     assert a[0].dtype == b[0].dtype == x.dtype
-    np.testing.assert_allclose(a[0].astype("float32").numpy(), b[0].astype("float32").numpy(),
-                               rtol=_tol(dtype), atol=_tol(dtype) * 10)
+    np.testing.assert_allclose(
+        a[0].astype("float32").numpy(),
+        b[0].astype("float32").numpy(),
+        rtol=_tol(dtype),
+        atol=_tol(dtype) * 10,
+    )
 
 
 BAD = [
-    ("1-D x", lambda: (paddle.randn([8]), paddle.randn([4]), None, None, True, False), "at least 2-D"),
-    ("leading dims", lambda: (paddle.randn([3, 8]), paddle.randn([4, 5]), None, None, True, False),
-     "[3, 8]"),
-    ("K vs dweight", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([7, 5]), None,
-                              True, False), "[8, 5]"),
-    ("N vs dweight", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([8, 6]), None,
-                              True, False), "[8, 5]"),
-    ("N vs dbias", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, paddle.zeros([4]),
-                            True, True), "[5]"),
-    ("dweight dtype", lambda: (paddle.randn([3, 8]).astype("bfloat16"),
-                               paddle.randn([3, 5]).astype("bfloat16"),
-                               paddle.zeros([8, 5]).astype("float16"), None, True, False), "float16"),
-    ("unsupported dtype", lambda: (paddle.ones([3, 8], "int32"), paddle.ones([3, 5], "int32"), None,
-                                   None, True, False), "int32"),
+    (
+        "1-D x",
+        lambda: (paddle.randn([8]), paddle.randn([4]), None, None, True, False),
+        "at least 2-D",
+    ),
+    (
+        "leading dims",
+        lambda: (paddle.randn([3, 8]), paddle.randn([4, 5]), None, None, True, False),
+        "[3, 8]",
+    ),
+    (
+        "K vs dweight",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]),
+            paddle.zeros([7, 5]),
+            None,
+            True,
+            False,
+        ),
+        "[8, 5]",
+    ),
+    (
+        "N vs dweight",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]),
+            paddle.zeros([8, 6]),
+            None,
+            True,
+            False,
+        ),
+        "[8, 5]",
+    ),
+    (
+        "N vs dbias",
+        lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, paddle.zeros([4]), True, True),
+        "[5]",
+    ),
+    (
+        "dweight dtype",
+        lambda: (
+            paddle.randn([3, 8]).astype("bfloat16"),
+            paddle.randn([3, 5]).astype("bfloat16"),
+            paddle.zeros([8, 5]).astype("float16"),
+            None,
+            True,
+            False,
+        ),
+        "float16",
+    ),
+    (
+        "unsupported dtype",
+        lambda: (
+            paddle.ones([3, 8], "int32"),
+            paddle.ones([3, 5], "int32"),
+            None,
+            None,
+            True,
+            False,
+        ),
+        "int32",
+    ),
     # Paddle's MPTypeTrait<double> is double: fp64 inputs accumulate in fp64 only
-    ("fp64 into fp32", lambda: (paddle.randn([3, 8], "float64"), paddle.randn([3, 5], "float64"),
-                                paddle.zeros([8, 5]), None, True, False), "float64"),
-    ("fp64 into fp32, no mp", lambda: (paddle.randn([3, 8], "float64"),
-                                       paddle.randn([3, 5], "float64"), None, paddle.zeros([5]),
-                                       False, True), "dbias must be float64"),
-    ("fp32 into fp64", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]),
-                                paddle.zeros([8, 5], "float64"), None, False, False),
-     "dweight must be float32"),
-    ("mixed dtypes", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]).astype("bfloat16"), None,
-                              None, True, False), "same dtype"),
-    ("numpy x", lambda: (np.ones([3, 8], "float32"), paddle.randn([3, 5]), None, None, True,
-                         False), "x and dout must be paddle Tensors"),
-    ("numpy dweight", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]),
-                               np.zeros([8, 5], "float32"), None, True, False),
-     "dweight must be a paddle Tensor or None, got ndarray"),
-    ("1-D dweight", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([40]),
-                             None, True, False), "[8, 5]"),
-    ("bf16 dbias for fp16", lambda: (paddle.randn([3, 8]).astype("float16"),
-                                     paddle.randn([3, 5]).astype("float16"), None,
-                                     paddle.zeros([5]).astype("bfloat16"), False, True),
-     "dbias must be float16 or float32"),
-    ("multi_precision 'no'", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, None,
-                                      "no", False), "multi_precision must be a bool"),
-    ("has_bias None", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, None, True,
-                               None), "has_bias must be a bool"),
+    (
+        "fp64 into fp32",
+        lambda: (
+            paddle.randn([3, 8], "float64"),
+            paddle.randn([3, 5], "float64"),
+            paddle.zeros([8, 5]),
+            None,
+            True,
+            False,
+        ),
+        "float64",
+    ),
+    (
+        "fp64 into fp32, no mp",
+        lambda: (
+            paddle.randn([3, 8], "float64"),
+            paddle.randn([3, 5], "float64"),
+            None,
+            paddle.zeros([5]),
+            False,
+            True,
+        ),
+        "dbias must be float64",
+    ),
+    (
+        "fp32 into fp64",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]),
+            paddle.zeros([8, 5], "float64"),
+            None,
+            False,
+            False,
+        ),
+        "dweight must be float32",
+    ),
+    (
+        "mixed dtypes",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]).astype("bfloat16"),
+            None,
+            None,
+            True,
+            False,
+        ),
+        "same dtype",
+    ),
+    (
+        "numpy x",
+        lambda: (np.ones([3, 8], "float32"), paddle.randn([3, 5]), None, None, True, False),
+        "x and dout must be paddle Tensors",
+    ),
+    (
+        "numpy dweight",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]),
+            np.zeros([8, 5], "float32"),
+            None,
+            True,
+            False,
+        ),
+        "dweight must be a paddle Tensor or None, got ndarray",
+    ),
+    (
+        "1-D dweight",
+        lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([40]), None, True, False),
+        "[8, 5]",
+    ),
+    (
+        "bf16 dbias for fp16",
+        lambda: (
+            paddle.randn([3, 8]).astype("float16"),
+            paddle.randn([3, 5]).astype("float16"),
+            None,
+            paddle.zeros([5]).astype("bfloat16"),
+            False,
+            True,
+        ),
+        "dbias must be float16 or float32",
+    ),
+    (
+        "multi_precision 'no'",
+        lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, None, "no", False),
+        "multi_precision must be a bool",
+    ),
+    (
+        "has_bias None",
+        lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), None, None, True, None),
+        "has_bias must be a bool",
+    ),
 ]
 
 
@@ -264,7 +392,12 @@ def _what_the_call_got(x, dout, dweight, dbias, multi_precision, has_bias):
             return f"{name} {type(t).__name__}"
         return f"{name} {list(t.shape)} {str(t.dtype).split('.')[-1]}"
 
-    operands = [("x", x), ("dout", dout), ("dweight", dweight), ("dbias", dbias if has_bias else None)]
+    operands = [
+        ("x", x),
+        ("dout", dout),
+        ("dweight", dweight),
+        ("dbias", dbias if has_bias else None),
+    ]
     return [named(name, t) for name, t in operands if t is not None]
 
 
@@ -284,35 +417,90 @@ def test_bad_input_raises_clear_error(backend, name, make, needle):
 # One call per refusal of the input check, and its whole text: what is wrong, then every
 # operand the call uses, shape, dtype and (for the accumulators) place.
 WHOLE = [
-    ("leading dims", lambda: (paddle.randn([3, 8]), paddle.randn([4, 5]), None, None, True, False),
-     "x [..., K] and dout [..., N] must have the same leading dims (x [3, 8] float32, "
-     "dout [4, 5] float32)"),
-    ("unsupported dtype", lambda: (paddle.ones([3, 8], "int32"), paddle.ones([3, 5], "int32"),
-                                   None, None, True, False),
-     "unsupported dtype int32; supported: float32, bfloat16, float16, float64 "
-     "(x [3, 8] int32, dout [3, 5] int32)"),
-    ("mixed dtypes", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]).astype("bfloat16"),
-                              None, None, True, False),
-     "x and dout must have the same dtype (x [3, 8] float32, dout [3, 5] bfloat16)"),
-    ("dweight shape", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([7, 5]),
-                               None, True, True),
-     "dweight must be [K, N] = [8, 5] (x [3, 8] float32, dout [3, 5] float32, "
-     "dweight [7, 5] float32 on Place(cpu))"),
-    ("dbias shape", lambda: (paddle.randn([3, 8]), paddle.randn([3, 5]), paddle.zeros([8, 5]),
-                             paddle.zeros([4]), True, True),
-     "dbias must be [N] = [5] (x [3, 8] float32, dout [3, 5] float32, dweight [8, 5] float32 "
-     "on Place(cpu), dbias [4] float32 on Place(cpu))"),
+    (
+        "leading dims",
+        lambda: (paddle.randn([3, 8]), paddle.randn([4, 5]), None, None, True, False),
+        "x [..., K] and dout [..., N] must have the same leading dims (x [3, 8] float32, "
+        "dout [4, 5] float32)",
+    ),
+    (
+        "unsupported dtype",
+        lambda: (
+            paddle.ones([3, 8], "int32"),
+            paddle.ones([3, 5], "int32"),
+            None,
+            None,
+            True,
+            False,
+        ),
+        "unsupported dtype int32; supported: float32, bfloat16, float16, float64 "
+        "(x [3, 8] int32, dout [3, 5] int32)",
+    ),
+    (
+        "mixed dtypes",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]).astype("bfloat16"),
+            None,
+            None,
+            True,
+            False,
+        ),
+        "x and dout must have the same dtype (x [3, 8] float32, dout [3, 5] bfloat16)",
+    ),
+    (
+        "dweight shape",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]),
+            paddle.zeros([7, 5]),
+            None,
+            True,
+            True,
+        ),
+        "dweight must be [K, N] = [8, 5] (x [3, 8] float32, dout [3, 5] float32, "
+        "dweight [7, 5] float32 on Place(cpu))",
+    ),
+    (
+        "dbias shape",
+        lambda: (
+            paddle.randn([3, 8]),
+            paddle.randn([3, 5]),
+            paddle.zeros([8, 5]),
+            paddle.zeros([4]),
+            True,
+            True,
+        ),
+        "dbias must be [N] = [5] (x [3, 8] float32, dout [3, 5] float32, dweight [8, 5] float32 "
+        "on Place(cpu), dbias [4] float32 on Place(cpu))",
+    ),
     # multi_precision: the accumulator is float32, never the input dtype
-    ("bf16 dweight with mp", lambda: (paddle.randn([3, 8]).astype("bfloat16"),
-                                      paddle.randn([3, 5]).astype("bfloat16"),
-                                      paddle.zeros([8, 5]).astype("bfloat16"), None, True, False),
-     "dweight must be float32 when multi_precision=True (x [3, 8] bfloat16, dout [3, 5] "
-     "bfloat16, dweight [8, 5] bfloat16 on Place(cpu))"),
-    ("bf16 dbias for fp16", lambda: (paddle.randn([3, 8]).astype("float16"),
-                                     paddle.randn([3, 5]).astype("float16"), None,
-                                     paddle.zeros([5]).astype("bfloat16"), False, True),
-     "dbias must be float16 or float32 (x [3, 8] float16, dout [3, 5] float16, "
-     "dbias [5] bfloat16 on Place(cpu))"),
+    (
+        "bf16 dweight with mp",
+        lambda: (
+            paddle.randn([3, 8]).astype("bfloat16"),
+            paddle.randn([3, 5]).astype("bfloat16"),
+            paddle.zeros([8, 5]).astype("bfloat16"),
+            None,
+            True,
+            False,
+        ),
+        "dweight must be float32 when multi_precision=True (x [3, 8] bfloat16, dout [3, 5] "
+        "bfloat16, dweight [8, 5] bfloat16 on Place(cpu))",
+    ),
+    (
+        "bf16 dbias for fp16",
+        lambda: (
+            paddle.randn([3, 8]).astype("float16"),
+            paddle.randn([3, 5]).astype("float16"),
+            None,
+            paddle.zeros([5]).astype("bfloat16"),
+            False,
+            True,
+        ),
+        "dbias must be float16 or float32 (x [3, 8] float16, dout [3, 5] float16, "
+        "dbias [5] bfloat16 on Place(cpu))",
+    ),
 ]
 
 
@@ -355,11 +543,19 @@ def test_dtype_name_of_each_kind_of_dtype(monkeypatch):
     value alone; an id recycled for another object is not taken for that object's."""
     monkeypatch.setattr(_inputs, "_BY_ENUM", {})
     name = _inputs.dtype_name
-    assert [name(paddle.bfloat16), name("float16"), name("paddle.float16"),
-            name(np.dtype("float64"))] == ["bfloat16", "float16", "float16", "float64"]
+    assert [
+        name(paddle.bfloat16),
+        name("float16"),
+        name("paddle.float16"),
+        name(np.dtype("float64")),
+    ] == ["bfloat16", "float16", "float16", "float64"]
     fp32 = [_EnumDtype(5, "paddle.float32") for _ in range(2)]
-    assert [name(fp32[0]), name(fp32[1]), name(_OtherEnumDtype(5, "paddle.int8")),
-            name(_EnumDtype(6, "paddle.float16"))] == ["float32", "float32", "int8", "float16"]
+    assert [
+        name(fp32[0]),
+        name(fp32[1]),
+        name(_OtherEnumDtype(5, "paddle.int8")),
+        name(_EnumDtype(6, "paddle.float16")),
+    ] == ["float32", "float32", "int8", "float16"]
     fp64 = _EnumDtype(7, "paddle.float64")
     monkeypatch.setitem(_inputs._BY_ID, id(fp64), (object(), "int32"))
     assert name(fp64) == "float64"
@@ -400,8 +596,13 @@ def test_dtype_name_asks_each_dtype_at_most_once(monkeypatch):
 
 def _run_isolated(code, env_extra):
     env = dict(os.environ, **env_extra)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 CHECK = """
@@ -442,8 +643,14 @@ CHECK = """
 @pytest.mark.heavy
 def test_portable_cpu_path_without_onednn(tmp_path):
     """The build for machines without oneDNN (blocked OpenMP GEMM) is correct too."""
-    r = _run_isolated(CHECK, {"PADDLE_MGRAD_NO_ONEDNN": "1", "PADDLE_MGRAD_CACHE": str(tmp_path),
-                              "PADDLE_MGRAD_CPU_CHUNK_ROWS": str(CHUNK_ROWS)})
+    r = _run_isolated(
+        CHECK,
+        {
+            "PADDLE_MGRAD_NO_ONEDNN": "1",
+            "PADDLE_MGRAD_CACHE": str(tmp_path),
+            "PADDLE_MGRAD_CPU_CHUNK_ROWS": str(CHUNK_ROWS),
+        },
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "BACKEND cpp-portable" in r.stdout and "OK" in r.stdout
 
@@ -476,7 +683,9 @@ def test_failed_build_falls_back_with_one_warning(tmp_path):
     r = _run_isolated(code, {"PADDLE_MGRAD_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stdout + r.stderr
     # (on a CUDA Paddle the GPU tier follows: "python;gpu=paddle-fused")
-    assert re.search(r"BACKEND python(;gpu=\S+)? WARNINGS 1 ", r.stdout) and "OK" in r.stdout, r.stdout
+    assert re.search(r"BACKEND python(;gpu=\S+)? WARNINGS 1 ", r.stdout) and "OK" in r.stdout, (
+        r.stdout
+    )
 
 
 # ---------------------------------------------------------------- zero-size
@@ -555,12 +764,18 @@ def _linear_grads(fn, xn, wn, bn, dtype="float32", main_grad=False):
     y = fn(x, w, b)
     (y * y).sum().backward() if y.size else y.sum().backward()
     grad_w = w.main_grad if main_grad else w.grad
-    return y.numpy(), x.grad.numpy(), (None if grad_w is None else grad_w.numpy()), \
-        (None if b is None else b.grad.numpy()), (None if grad_w is None else grad_w.dtype)
+    return (
+        y.numpy(),
+        x.grad.numpy(),
+        (None if grad_w is None else grad_w.numpy()),
+        (None if b is None else b.grad.numpy()),
+        (None if grad_w is None else grad_w.dtype),
+    )
 
 
-@pytest.mark.parametrize("xs,ws", [([3, 2], [2, 0]), ([4, 3, 2], [2, 0]), ([0, 4], [4, 3]),
-                                   ([3, 0], [0, 5])])
+@pytest.mark.parametrize(
+    "xs,ws", [([3, 2], [2, 0]), ([4, 3, 2], [2, 0]), ([0, 4], [4, 3]), ([3, 0], [0, 5])]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fused_linear_zero_size_matches_paddle(xs, ws, with_bias):
     """Paddle's TestLinearAPI_ZeroSize (weight [2, 0]) and other zero-size linears give
@@ -605,8 +820,9 @@ def test_float64_across_gemm_blocks(M, K, N, given):
     dw = paddle.to_tensor(w0) if given else None
     db = paddle.to_tensor(b0) if given else None
     ptr = dw.data_ptr() if given else None
-    out_w, out_b = ops.fused_linear_param_grad_add(paddle.to_tensor(xn), paddle.to_tensor(yn),
-                                                   dw, db, True, True)
+    out_w, out_b = ops.fused_linear_param_grad_add(
+        paddle.to_tensor(xn), paddle.to_tensor(yn), dw, db, True, True
+    )
     assert out_w.dtype == out_b.dtype == paddle.float64  # MPTypeTrait<double> is double
     if given:
         assert out_w is dw and out_w.data_ptr() == ptr
@@ -638,8 +854,9 @@ def _float64_packing_edges(M, K, N, given):
     w0 = rs.standard_normal([K, N])
     dw = paddle.to_tensor(w0) if given else None
     ptr = dw.data_ptr() if given else None
-    out_w, _ = ops.fused_linear_param_grad_add(paddle.to_tensor(xn), paddle.to_tensor(yn), dw,
-                                               None, False, False)
+    out_w, _ = ops.fused_linear_param_grad_add(
+        paddle.to_tensor(xn), paddle.to_tensor(yn), dw, None, False, False
+    )
     assert out_w.dtype == paddle.float64 and list(out_w.shape) == [K, N]
     if given:
         assert out_w is dw and out_w.data_ptr() == ptr
@@ -665,8 +882,11 @@ def test_fused_linear_float64_matches_autograd(transpose_weight):
         x = paddle.to_tensor(xn, stop_gradient=False)
         w = paddle.to_tensor(wn, stop_gradient=False)
         b = paddle.to_tensor(bn, stop_gradient=False)
-        y = (FusedLinearWithGradAdd.apply(x, w, b, transpose_weight) if fused
-             else paddle.matmul(x, w, transpose_y=transpose_weight) + b)
+        y = (
+            FusedLinearWithGradAdd.apply(x, w, b, transpose_weight)
+            if fused
+            else paddle.matmul(x, w, transpose_y=transpose_weight) + b
+        )
         (y * y).sum().backward()
         got.append((x.grad, w.grad, b.grad))
     for a, b in zip(*got):
@@ -685,8 +905,9 @@ def test_bf16_path_is_observable_and_forceable():
     with _bf16_path("bogus"):
         assert ops.cpu_info()["bf16_path"] == "invalid PADDLE_MGRAD_CPU_BF16"
         x = paddle.ones([4, 3]).astype("bfloat16")
-        msg = ("PADDLE_MGRAD_CPU_BF16='bogus' is not valid; accepted: auto (default), native "
-               "or widen")
+        msg = (
+            "PADDLE_MGRAD_CPU_BF16='bogus' is not valid; accepted: auto (default), native or widen"
+        )
         with pytest.raises(EnvError) as e:
             ops.fused_linear_param_grad_add(x, x, None, None, True, False)
         assert str(e.value) == msg
@@ -694,10 +915,15 @@ def test_bf16_path_is_observable_and_forceable():
             ops.load().pmg_fused_wgrad_add(x, x, None, None, True, False)
 
 
-@pytest.mark.parametrize("dtype,path", [("bfloat16", "widen"),
-                                        pytest.param("bfloat16", "native",
-                                                     id=f"bfloat16-{NATIVE_ID}"),
-                                        ("bfloat16", "auto"), ("float16", "auto")])
+@pytest.mark.parametrize(
+    "dtype,path",
+    [
+        ("bfloat16", "widen"),
+        pytest.param("bfloat16", "native", id=f"bfloat16-{NATIVE_ID}"),
+        ("bfloat16", "auto"),
+        ("float16", "auto"),
+    ],
+)
 @pytest.mark.parametrize("M", [CHUNK_ROWS + 1, 2 * CHUNK_ROWS + 300])
 @pytest.mark.parametrize("acc", ["float32", "same"])
 def test_fresh_output_over_several_chunks(dtype, path, M, acc):
@@ -788,8 +1014,12 @@ def test_kept_scratch_is_what_the_calling_thread_holds():
         t = threading.Thread(target=calls)
         t.start()
         t.join()
-        assert seen == {"fresh": 0, "fp32": 0, "widen": pages(rows * (K + N)),
-                        "same precision": pages(rows * (K + N)) + pages(K * N)}, seen
+        assert seen == {
+            "fresh": 0,
+            "fp32": 0,
+            "widen": pages(rows * (K + N)),
+            "same precision": pages(rows * (K + N)) + pages(K * N),
+        }, seen
 
 
 def _every_half(dtype):
@@ -817,9 +1047,14 @@ def _same_values(got, want):
     return int(bad.sum()), [(float(want[i]), float(got[i])) for i in np.nonzero(bad)[0][:4]]
 
 
-@pytest.mark.parametrize("dtype,path", [("float16", "auto"), ("bfloat16", "widen"),
-                                        pytest.param("bfloat16", "native",
-                                                     id=f"bfloat16-{NATIVE_ID}")])
+@pytest.mark.parametrize(
+    "dtype,path",
+    [
+        ("float16", "auto"),
+        ("bfloat16", "widen"),
+        pytest.param("bfloat16", "native", id=f"bfloat16-{NATIVE_ID}"),
+    ],
+)
 def test_every_half_bit_pattern_widens_and_rounds_exactly(dtype, path):
     """Every bf16/fp16 bit pattern is read exactly (dW through the widening or native GEMM,
     db through the scalar loads: fp16's F16C and portable conversions both run), and a
@@ -832,7 +1067,7 @@ def test_every_half_bit_pattern_widens_and_rounds_exactly(dtype, path):
     one = paddle.ones([1, 1], dtype=dtype)
     with _bf16_path(path):
         dw, _ = ops.fused_linear_param_grad_add(row, one, None, None, True, False)  # x^T . 1
-        _, db = ops.fused_linear_param_grad_add(one, row, None, None, True, True)   # sum_m dy
+        _, db = ops.fused_linear_param_grad_add(one, row, None, None, True, True)  # sum_m dy
     for got in (dw, db):
         assert _name(got.dtype) == "float32"
         assert _same_values(got.numpy().reshape(-1), v) == (0, [])
@@ -846,10 +1081,13 @@ def test_every_half_bit_pattern_widens_and_rounds_exactly(dtype, path):
         want_db = _round_half(a + b, dtype)
     dy = paddle.to_tensor(np.stack([a, b])).astype(dtype)
     with _bf16_path(path):
-        _, db = ops.fused_linear_param_grad_add(paddle.ones([2, 1], dtype=dtype), dy, None,
-                                                None, False, True)
-    crafted = np.array([s * m * 2.0 ** e for s in (1, -1) for m in (1, 3, 19, 151, 431)
-                        for e in range(-24, 16, 3)], np.float32)
+        _, db = ops.fused_linear_param_grad_add(
+            paddle.ones([2, 1], dtype=dtype), dy, None, None, False, True
+        )
+    crafted = np.array(
+        [s * m * 2.0**e for s in (1, -1) for m in (1, 3, 19, 151, 431) for e in range(-24, 16, 3)],
+        np.float32,
+    )
     crafted = crafted[np.isfinite(_round_half(crafted, dtype))]
     crafted = crafted[_round_half(crafted, dtype) == crafted]  # exactly representable
     finite = v[np.isfinite(v)]
@@ -858,25 +1096,44 @@ def test_every_half_bit_pattern_widens_and_rounds_exactly(dtype, path):
     with np.errstate(over="ignore", invalid="ignore"):
         want_dw = _round_half(f[:, None] * g[None, :], dtype).reshape(-1)  # exact in fp32
     with _bf16_path(path):
-        dw, _ = ops.fused_linear_param_grad_add(paddle.to_tensor(f[None]).astype(dtype),
-                                                paddle.to_tensor(g[None]).astype(dtype), None,
-                                                None, False, False)
+        dw, _ = ops.fused_linear_param_grad_add(
+            paddle.to_tensor(f[None]).astype(dtype),
+            paddle.to_tensor(g[None]).astype(dtype),
+            None,
+            None,
+            False,
+            False,
+        )
     for got, want in ((db, want_db), (dw, want_dw)):
         assert _name(got.dtype) == dtype
         assert _same_values(got.astype("float32").numpy().reshape(-1), want) == (0, [])
 
 
-CHUNK_ROWS_BAD = ["0", "-3", "12x", "abc", "+5", "1e3", "1 2", "16777217",
-                  "99999999999999999999", "9223372036854775807", "9223372036854775808",
-                  "18446744073709551616", "4611686018427387904"]
+CHUNK_ROWS_BAD = [
+    "0",
+    "-3",
+    "12x",
+    "abc",
+    "+5",
+    "1e3",
+    "1 2",
+    "16777217",
+    "99999999999999999999",
+    "9223372036854775807",
+    "9223372036854775808",
+    "18446744073709551616",
+    "4611686018427387904",
+]
 
 
 @pytest.mark.parametrize("value", CHUNK_ROWS_BAD)
 def test_bad_chunk_rows_env_is_a_clear_error(value):
     """A bad PADDLE_MGRAD_CPU_CHUNK_ROWS set after import: the wrapper raises paddle_mgrad.env's
     EnvError, the C++ op (called raw) fails with the same message -- no crash, nothing written."""
-    msg = (f"PADDLE_MGRAD_CPU_CHUNK_ROWS={value!r} is not valid; accepted: an integer from 1 to "
-           f"{env.MAX_CHUNK_ROWS}")
+    msg = (
+        f"PADDLE_MGRAD_CPU_CHUNK_ROWS={value!r} is not valid; accepted: an integer from 1 to "
+        f"{env.MAX_CHUNK_ROWS}"
+    )
     for dtype in ("bfloat16", "float16"):
         x = paddle.ones([4, 3]).astype(dtype)
         mg = paddle.full([3, 3], 7.0)
@@ -894,7 +1151,8 @@ def test_valid_chunk_rows_env(value):
     """Empty is the default (as unset); digits with surrounding spaces; the largest accepted
     value (more rows than the call has: one chunk)."""
     assert env.get("PADDLE_MGRAD_CPU_CHUNK_ROWS", {"PADDLE_MGRAD_CPU_CHUNK_ROWS": value}) == (
-        int(value) if value.strip() else None)
+        int(value) if value.strip() else None
+    )
     for dtype in ("bfloat16", "float16"):
         x = paddle.ones([40, 3]).astype(dtype)
         with _bf16_path("widen"), _chunk_rows(value):
@@ -921,16 +1179,20 @@ CHUNK_ROWS_PROBE = """
 """
 
 
-@pytest.mark.parametrize("value", ["99999999999999999999", "9223372036854775807",
-                                   "4611686018427387904"])
+@pytest.mark.parametrize(
+    "value", ["99999999999999999999", "9223372036854775807", "4611686018427387904"]
+)
 def test_chunk_rows_near_2_63_does_not_kill_the_process(value):
     """Crash probe: values near 2^63 would overflow the widen path's chunk count to 0, and the
     division by it would raise SIGFPE.  In a subprocess: no signal, a clear error from both the
     raw op and the wrapper."""
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(CHUNK_ROWS_PROBE), value],
-                       capture_output=True, text=True, timeout=600,
-                       env={k: v for k, v in os.environ.items()
-                            if k != "PADDLE_MGRAD_CPU_CHUNK_ROWS"})
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHUNK_ROWS_PROBE), value],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "PADDLE_MGRAD_CPU_CHUNK_ROWS"},
+    )
     assert r.returncode >= 0, f"killed by signal {-r.returncode}: {r.stderr[-2000:]}"
     assert r.returncode == 0 and "ALIVE" in r.stdout, r.stdout + r.stderr[-3000:]
     errors = [ln for ln in r.stdout.splitlines() if ln.startswith("ERROR")]
@@ -944,8 +1206,9 @@ def test_chunk_rows_near_2_63_does_not_kill_the_process(value):
 def test_bad_fp64_kernel_env_is_a_clear_error(value):
     """PADDLE_MGRAD_CPU_FP64_KERNEL=garbage was ignored silently; now EnvError (wrapper) and the
     same message from the C++ op, before anything is written."""
-    msg = (f"PADDLE_MGRAD_CPU_FP64_KERNEL={value!r} is not valid; accepted: auto (default) or "
-           "generic")
+    msg = (
+        f"PADDLE_MGRAD_CPU_FP64_KERNEL={value!r} is not valid; accepted: auto (default) or generic"
+    )
     x = paddle.ones([4, 3], "float64")
     mg = paddle.full([3, 3], 7.0, "float64")
     with _env("PADDLE_MGRAD_CPU_FP64_KERNEL", value):
@@ -972,8 +1235,9 @@ def test_c_api_zero_size_null_pointers_and_float64(capi):
 
     def call(x, dy, in_t, M, K, N, dw, dw_t, db, db_t, beta=1.0):
         ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
-        return core.lib.pmg_wgrad_cpu_c(ptr(x), ptr(dy), in_t, M, K, N, ptr(dw), dw_t, beta,
-                                        ptr(db), db_t, beta, err, len(err))
+        return core.lib.pmg_wgrad_cpu_c(
+            ptr(x), ptr(dy), in_t, M, K, N, ptr(dw), dw_t, beta, ptr(db), db_t, beta, err, len(err)
+        )
 
     dy = np.ones([4, 3], "float32")
     db = np.full([3], 2.0, "float32")
@@ -1005,8 +1269,9 @@ def _fallbacks():
 def _bf16_tensor(values):
     """A bf16 tensor holding exactly these float32 values (each must be a bf16 value)."""
     v = np.asarray(values, np.float32)
-    assert np.array_equal(_round_half(v.reshape(-1), "bfloat16").reshape(v.shape), v,
-                          equal_nan=True)
+    assert np.array_equal(
+        _round_half(v.reshape(-1), "bfloat16").reshape(v.shape), v, equal_nan=True
+    )
     return paddle.to_tensor(v).astype("bfloat16")
 
 
@@ -1024,25 +1289,26 @@ def test_bf16_products_near_underflow_are_ieee_exact(path):
     g = np.exp2(np.arange(-80, -39)).astype(np.float32)
     before = _fallbacks()
     with _bf16_path(path):
-        dw, _ = ops.fused_linear_param_grad_add(_bf16_tensor(xf[None]), _bf16_tensor(g[None]),
-                                                None, None, True, False)
+        dw, _ = ops.fused_linear_param_grad_add(
+            _bf16_tensor(xf[None]), _bf16_tensor(g[None]), None, None, True, False
+        )
     want = (xf.astype(np.float64)[:, None] * g.astype(np.float64)[None, :]).astype(np.float32)
-    assert (want == 0).any() and ((want != 0) & (np.abs(want) < 2.0 ** -126)).any()
+    assert (want == 0).any() and ((want != 0) & (np.abs(want) < 2.0**-126)).any()
     assert _same_values(dw.numpy().reshape(-1), want.reshape(-1)) == (0, [])
 
     # x1*y1 + x2*y2 = 2^(a+b) * ((1+2^-7)^2 - (1+2^-6)) = 2^(a+b-14): exact in fp32
     for s in range(-116, -107):
         ea, eb = s // 2, s - s // 2
-        x = _bf16_tensor([[2.0 ** ea * 1.0078125], [2.0 ** ea]])
-        y = _bf16_tensor([[2.0 ** eb * 1.0078125], [-(2.0 ** eb) * 1.015625]])
+        x = _bf16_tensor([[2.0**ea * 1.0078125], [2.0**ea]])
+        y = _bf16_tensor([[2.0**eb * 1.0078125], [-(2.0**eb) * 1.015625]])
         # and a subnormal product added onto a subnormal main_grad (beta = 1)
-        x1, y1 = _bf16_tensor([[2.0 ** ea]]), _bf16_tensor([[2.0 ** (eb - 14)]])
+        x1, y1 = _bf16_tensor([[2.0**ea]]), _bf16_tensor([[2.0 ** (eb - 14)]])
         with _bf16_path(path):
             dw, _ = ops.fused_linear_param_grad_add(x, y, None, None, True, False)
-            mg = paddle.full([1, 1], 2.0 ** -149)
+            mg = paddle.full([1, 1], 2.0**-149)
             ops.fused_linear_param_grad_add(x1, y1, mg, None, True, False)
         assert dw.numpy()[0, 0] == np.float32(2.0 ** (s - 14)), (s, dw.numpy())
-        assert mg.numpy()[0, 0] == np.float32(2.0 ** (s - 14) + 2.0 ** -149), (s, mg.numpy())
+        assert mg.numpy()[0, 0] == np.float32(2.0 ** (s - 14) + 2.0**-149), (s, mg.numpy())
     took_onednn = path == "native" or (path == "auto" and CPU["native_bf16"])
     # on the oneDNN path: the first call, the 4 cancellations with a + b < -112 and all 9
     # single subnormal products were widened
@@ -1062,13 +1328,15 @@ def test_native_bf16_path_runs_its_gemm_on_every_safe_pattern():
     one = paddle.ones([1, 1], dtype="bfloat16")
     with _bf16_path("native"):
         before = _fallbacks()
-        dw, _ = ops.fused_linear_param_grad_add(paddle.to_tensor(v[None]).astype("bfloat16"), one,
-                                                None, None, True, False)
+        dw, _ = ops.fused_linear_param_grad_add(
+            paddle.to_tensor(v[None]).astype("bfloat16"), one, None, None, True, False
+        )
         assert _fallbacks() == before, "the safe patterns did not run the oneDNN bf16 GEMM"
         assert _same_values(dw.numpy().reshape(-1), v) == (0, [])
         v14 = np.append(v, np.float32(2.0 ** (14 - 127)))
-        dw, _ = ops.fused_linear_param_grad_add(paddle.to_tensor(v14[None]).astype("bfloat16"),
-                                                one, None, None, True, False)
+        dw, _ = ops.fused_linear_param_grad_add(
+            paddle.to_tensor(v14[None]).astype("bfloat16"), one, None, None, True, False
+        )
         assert _fallbacks() == before + 1
         assert _same_values(dw.numpy().reshape(-1), v14) == (0, [])
 
@@ -1105,8 +1373,11 @@ def test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude(kernel, capi
             per = ((n + nt - 1) // nt + 31) // 32 * 32
             edges |= {p for p in (per - 1, per) if p < n}
         for pos in sorted(edges):
-            for v in ((0x0001, 0x8001, 0x0080, 0x7F80, 0xFFC0, 0x0000, 0x8000) if n < 1 << 18
-                      else (0x8001, 0x0080)):
+            for v in (
+                (0x0001, 0x8001, 0x0080, 0x7F80, 0xFFC0, 0x0000, 0x8000)
+                if n < 1 << 18
+                else (0x8001, 0x0080)
+            ):
                 b = a.copy()
                 b[pos] = v
                 assert f(b.ctypes.data, n, kernel) == want(b), (n, pos, hex(v))
@@ -1118,8 +1389,10 @@ def test_exactness_pass_kernels_find_the_smallest_nonzero_magnitude(kernel, capi
 # such as a Zen 3 runs): on a native-bf16 CPU the main run covers the hardware path, this one
 # the widen path under auto and oneDNN's reference kernel under native.
 ISA_CAPPED_TESTS = [
-    "test_matches_float64_reference", "test_bf16_path_is_observable_and_forceable",
-    "test_fresh_output_over_several_chunks", "test_default_chunking_of_a_wide_output",
+    "test_matches_float64_reference",
+    "test_bf16_path_is_observable_and_forceable",
+    "test_fresh_output_over_several_chunks",
+    "test_default_chunking_of_a_wide_output",
     "test_same_precision_weight_grad_around_the_scratch_budget",
     "test_every_half_bit_pattern_widens_and_rounds_exactly",
     "test_bf16_products_near_underflow_are_ieee_exact",
@@ -1136,17 +1409,34 @@ def test_bf16_and_fp16_paths_with_onednn_capped_at_avx2():
     use it), auto picks the widen path, and the bf16/fp16 tests above pass there as well."""
     env_ = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
     here = os.path.abspath(__file__)
-    code = ("import zlib, paddle, json\nfrom paddle_mgrad import ops\n"
-            "print('CPUINFO', json.dumps(ops.cpu_info()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_,
-                       timeout=600)
+    code = (
+        "import zlib, paddle, json\nfrom paddle_mgrad import ops\n"
+        "print('CPUINFO', json.dumps(ops.cpu_info()))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env_, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.split("CPUINFO", 1)[1])
     assert info["native_bf16"] is False and info["bf16_path"] == "widen-sgemm", info
-    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
-                        "-W", "ignore", *[f"{here}::{t}" for t in ISA_CAPPED_TESTS]],
-                       capture_output=True, text=True, env=env_, timeout=1200,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(here))))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "ignore",
+            *[f"{here}::{t}" for t in ISA_CAPPED_TESTS],
+        ],
+        capture_output=True,
+        text=True,
+        env=env_,
+        timeout=1200,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(here))),
+    )
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     assert re.search(r"\d+ passed", r.stdout) and " failed" not in r.stdout, tail
@@ -1166,8 +1456,9 @@ def backend(request):
         yield request.param
 
 
-@pytest.mark.parametrize("dtype,mp", [("float32", True), ("bfloat16", True), ("bfloat16", False),
-                                      ("float64", True)])
+@pytest.mark.parametrize(
+    "dtype,mp", [("float32", True), ("bfloat16", True), ("bfloat16", False), ("float64", True)]
+)
 def test_strided_accumulators_are_written_through(backend, dtype, mp):
     """A dbias / dweight that is a strided view into a flat buffer (``store[::2]``, a column
     slice, a transpose) is updated in place through the view: the base buffer holds
@@ -1223,8 +1514,8 @@ def test_fused_nn_linear_with_main_grads_viewing_a_flat_buffer(backend):
     K, N = 6, 4
     lin = paddle.nn.Linear(K, N)
     flat = paddle.zeros([K * 2 * N + 2 * N])
-    lin.weight.main_grad = flat[:K * 2 * N].reshape([K, 2 * N])[:, 1::2]
-    lin.bias.main_grad = flat[K * 2 * N:][::2]
+    lin.weight.main_grad = flat[: K * 2 * N].reshape([K, 2 * N])[:, 1::2]
+    lin.bias.main_grad = flat[K * 2 * N :][::2]
     views = (lin.weight.main_grad, lin.bias.main_grad)
     assert not views[0].is_contiguous() and not views[1].is_contiguous()
     xs = [rs.standard_normal([3, 7, K]).astype("float32") for _ in range(2)]
@@ -1244,10 +1535,10 @@ def test_fused_nn_linear_with_main_grads_viewing_a_flat_buffer(backend):
         gw += x2.T @ dy
         gb += dy.sum(0)
     got = flat.numpy()
-    gw_flat = got[:K * 2 * N].reshape(K, 2 * N)
+    gw_flat = got[: K * 2 * N].reshape(K, 2 * N)
     np.testing.assert_allclose(gw_flat[:, 1::2], gw, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(got[K * 2 * N:][::2], gb, rtol=1e-5, atol=1e-4)
-    assert not gw_flat[:, ::2].any() and not got[K * 2 * N:][1::2].any()
+    np.testing.assert_allclose(got[K * 2 * N :][::2], gb, rtol=1e-5, atol=1e-4)
+    assert not gw_flat[:, ::2].any() and not got[K * 2 * N :][1::2].any()
 
 
 def _bad_dbias_cases(N):
@@ -1288,8 +1579,7 @@ def test_flags_must_be_bool(backend, which, value):
     dw = paddle.zeros([3, 3])
     flags = {"multi_precision": True, "has_bias": True, which: value}
     with pytest.raises(FusedLinearError, match=f"{which} must be a bool"):
-        ops.fused_linear_param_grad_add(x, x, dw, None, flags["multi_precision"],
-                                        flags["has_bias"])
+        ops.fused_linear_param_grad_add(x, x, dw, None, flags["multi_precision"], flags["has_bias"])
     assert not dw.numpy().any()
 
 
@@ -1310,9 +1600,10 @@ def test_tensors_on_other_places_are_refused_before_anything_is_written(backend)
     dw, db = paddle.ones([5, 3]), paddle.ones([3])
     for name, t in (("dout", dy), ("dweight", dw), ("dbias", db)):
         elsewhere = ops.override(place=lambda u, t=t: "Place(gpu:1)" if u is t else str(u.place))
-        with elsewhere, pytest.raises(FusedLinearError,
-                                      match=re.escape(f"{name} must be on the same device as x "
-                                                      f"(Place(cpu) vs Place(gpu:1))")):
+        with elsewhere, pytest.raises(
+            FusedLinearError,
+            match=re.escape(f"{name} must be on the same device as x (Place(cpu) vs Place(gpu:1))"),
+        ):
             ops.fused_linear_param_grad_add(x, dy, dw, db, True, True)
         assert (dw.numpy() == 1).all() and (db.numpy() == 1).all()
 
@@ -1328,7 +1619,8 @@ def test_xpu_and_custom_device_tensors_take_the_reference():
     x2, y2 = x.numpy().astype("f8"), dy.numpy().astype("f8")
     mg, mb = paddle.ones([4, 3]), paddle.ones([3])
     no_op = types.SimpleNamespace(
-        pmg_fused_wgrad_add=lambda *a: pytest.fail("C++ op called for a non-CPU place"))
+        pmg_fused_wgrad_add=lambda *a: pytest.fail("C++ op called for a non-CPU place")
+    )
     with ops.override(place="Place(xpu:0)"), loader.settled(module=no_op):
         assert dispatch.tier_for(x, None, None, True, True, dout=dy) == "python"
         ops.fused_linear_param_grad_add(x, dy, mg, mb, True, True)
@@ -1394,8 +1686,9 @@ def test_zero_size_never_reaches_paddles_gpu_kernel(fake_paddle_fused_gpu, M, K,
     np.testing.assert_array_equal(out_w.numpy(), np.full([K, N], (2.0 if given else 0.0) + M))
     np.testing.assert_array_equal(out_b.numpy(), np.full([N], (3.0 if given else 0.0) + M))
     # a non-empty call still goes to Paddle's op (the fake is live)
-    ops.fused_linear_param_grad_add(paddle.ones([2, 3]), paddle.ones([2, 4]), None, None, True,
-                                    True)
+    ops.fused_linear_param_grad_add(
+        paddle.ones([2, 3]), paddle.ones([2, 4]), None, None, True, True
+    )
     assert fake_paddle_fused_gpu == [[[2, 3], [2, 4]]]
 
 

@@ -2,6 +2,7 @@
 ``settled`` / ``unloaded`` (what the load settled).  While an override is in effect the fast
 paths step aside, so the faked answers reach every call; and the override's state is read in
 one place outside its own module (the fast paths' step-aside check)."""
+
 import ast
 import os
 
@@ -152,9 +153,12 @@ def test_unloaded_loads_again_and_restores(monkeypatch):
 
 def _reads_of_the_override(tree):
     """Each ``<name>.overridden`` / bare ``overridden`` read in a module's AST."""
-    return [n for n in ast.walk(tree)
-            if (isinstance(n, ast.Attribute) and n.attr == "overridden")
-            or (isinstance(n, ast.Name) and n.id == "overridden")]
+    return [
+        n
+        for n in ast.walk(tree)
+        if (isinstance(n, ast.Attribute) and n.attr == "overridden")
+        or (isinstance(n, ast.Name) and n.id == "overridden")
+    ]
 
 
 def test_only_the_step_aside_check_reads_the_override_outside_its_module():
@@ -168,7 +172,10 @@ def test_only_the_step_aside_check_reads_the_override_outside_its_module():
         tree = ast.parse(open(os.path.join(OPS_DIR, name), encoding="utf-8").read())
         found = _reads_of_the_override(tree)
         if found:
-            funcs = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-                     and any(n in list(ast.walk(f)) for n in found)]
+            funcs = [
+                f.name
+                for f in ast.walk(tree)
+                if isinstance(f, ast.FunctionDef) and any(n in list(ast.walk(f)) for n in found)
+            ]
             reads[name] = (len(found), funcs)
     assert reads == {"entries.py": (1, ["_fast_path_ok"])}

@@ -2,6 +2,7 @@
 BuildExtension compiles them one by one), CUDA sources first and alone, the first error raised
 after every started compile has finished.  A fake compiler stands in for gcc here; every real
 build of the suite (tests/ops/test_build.py and others) goes through the same script."""
+
 import threading
 import time
 
@@ -15,6 +16,7 @@ ccompiler = ps.ccompiler  # setuptools' distutils, imported the way the script d
 
 class FakeCompiler(ccompiler.CCompiler):
     """distutils' own bookkeeping (_setup_compile, object names); ``_compile`` only records."""
+
     compiler_type = "fake"
     src_extensions = [".cc", ".cu"]
     obj_extension = ".o"
@@ -51,8 +53,12 @@ def test_cpp_sources_compile_at_the_same_time_after_the_cuda_ones_alone(tmp_path
     assert [o.rsplit("/", 1)[-1] for o in objects] == ["a.o", "b.o", "c.o", "d.o", "e.o"]
     starts = [src for what, src, _ in fake.log if what == "start"]
     assert starts[:2] == ["a.cu", "e.cu"], fake.log
-    assert fake.log[:4] == [("start", "a.cu", 1), ("end", "a.cu", 0),
-                            ("start", "e.cu", 1), ("end", "e.cu", 0)], fake.log
+    assert fake.log[:4] == [
+        ("start", "a.cu", 1),
+        ("end", "a.cu", 0),
+        ("start", "e.cu", 1),
+        ("end", "e.cu", 0),
+    ], fake.log
     assert max(n for what, _, n in fake.log if what == "start") == 3, fake.log
 
 
@@ -78,9 +84,19 @@ def test_first_error_is_raised_once_every_compile_has_ended(tmp_path, monkeypatc
     assert sorted(src for what, src, _ in fake.log if what == "start") == ["b.cc", "c.cc"], fake.log
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("4", 4), ("1", 1), ("99999999999999999999", 7), ("0", None), ("-2", None), ("two", None),
-    ("", None), (" 3 ", 3)])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("4", 4),
+        ("1", 1),
+        ("99999999999999999999", 7),
+        ("0", None),
+        ("-2", None),
+        ("two", None),
+        ("", None),
+        (" 3 ", 3),
+    ],
+)
 def test_max_jobs_is_honoured_when_it_is_a_positive_integer(value, expected):
     n = ps.workers(7, {"MAX_JOBS": value})
     if expected is None:  # not a positive integer: the CPUs this process may use, at most 7

@@ -1,6 +1,7 @@
 """A small pre-norm decoder layer as PaddleNLP's and PaddleFormers' llama-style models build
 one (norms, attention with dropout, MLP, residuals), shared by the tests of the sublayer
 policies (test_saved_sublayers.py, test_budget.py)."""
+
 import paddle
 
 D, F, ROWS = 8, 12, 5

@@ -16,6 +16,7 @@ which returns it too, as Paddle's does).  What they stand for:
   collectives, NOTES.md) and ``skip_c_identity_dynamic`` (the backward returns ``dy``:
   ``c_identity`` has no CPU kernel).  Test-only stand-in for the transport, Paddle's PyLayer.
 """
+
 from __future__ import annotations
 
 import paddle
@@ -35,8 +36,9 @@ class _OneProcessGroup:
 
 
 def _mp_allreduce(y):
-    return mp_allreduce_eager.apply(y, _OneProcessGroup, True, True,
-                                    paddle.distributed.ReduceOp.SUM, True)
+    return mp_allreduce_eager.apply(
+        y, _OneProcessGroup, True, True, paddle.distributed.ReduceOp.SUM, True
+    )
 
 
 def _assign_out(y):

@@ -1,6 +1,7 @@
 """Micro-steps of a small model with and without recompute, every result as numpy: what the
 tests of the recompute policies compare (test_policy.py, test_saved_sublayers.py,
 test_budget.py), bit for bit."""
+
 import numpy as np
 import paddle
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
@@ -8,8 +9,20 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 import paddle_mgrad
 
 
-def train(make_net, how, policy=None, steps=2, *, block=lambda net: net,
-          block_input=lambda net, x: x * 1.0, after=None, seed=11, data_seed=2, rows=5, d=8):
+def train(
+    make_net,
+    how,
+    policy=None,
+    steps=2,
+    *,
+    block=lambda net: net,
+    block_input=lambda net, x: x * 1.0,
+    after=None,
+    seed=11,
+    data_seed=2,
+    rows=5,
+    d=8,
+):
     """``steps`` micro-steps of ``make_net()`` (fp32 master gradients: ``MixPrecisionLayer``)
     with recompute ``how`` ("none", "reentrant" or "non_reentrant") of ``block(net)`` under
     ``policy``, fused linear on.  ``block_input(net, x)`` makes the block's input from a
@@ -33,8 +46,9 @@ def train(make_net, how, policy=None, steps=2, *, block=lambda net: net,
             if how == "none":
                 out = block(net)(h)
             else:
-                out = paddle_mgrad.recompute(block(net), h, use_reentrant=how == "reentrant",
-                                             policy=policy)
+                out = paddle_mgrad.recompute(
+                    block(net), h, use_reentrant=how == "reentrant", policy=policy
+                )
             if after is not None:
                 after(out)
             (out * weights).sum().backward()
@@ -51,6 +65,10 @@ def train(make_net, how, policy=None, steps=2, *, block=lambda net: net,
 def assert_identical(got, ref):
     """The same results, bit for bit (None where the other is None)."""
     assert sorted(got) == sorted(ref)
-    unequal = [k for k in ref if not (got[k] is None and ref[k] is None)
-               and (got[k] is None or ref[k] is None or not np.array_equal(got[k], ref[k]))]
+    unequal = [
+        k
+        for k in ref
+        if not (got[k] is None and ref[k] is None)
+        and (got[k] is None or ref[k] is None or not np.array_equal(got[k], ref[k]))
+    ]
     assert not unequal, unequal

@@ -13,6 +13,7 @@ the drawn micro-steps, accumulating ``.grad`` / ``main_grad``, with recompute ``
 and returns every output and every gradient, so that the test can compare a recomputed
 run with the same model run without recompute.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,37 +32,57 @@ import paddle_mgrad
 D = 4  # feature width: tiny, the point is the graph, not the numbers
 
 #: block body operations (see Net.body)
-OPS = ("lin_a", "lin_b", "twice", "tanh", "no_grad", "add_x1", "pair", "scale", "dropout",
-       "nested", "param_arg", "ip_linear", "ip_mid")
+OPS = (
+    "lin_a",
+    "lin_b",
+    "twice",
+    "tanh",
+    "no_grad",
+    "add_x1",
+    "pair",
+    "scale",
+    "dropout",
+    "nested",
+    "param_arg",
+    "ip_linear",
+    "ip_mid",
+)
 #: output structures of the block (see Net.outputs)
 OUTS = ("tensor", "tuple_none", "dict", "input", "view", "input_only")
 #: the recompute policies drawn: ``save:`` keeps ``lin_a`` (twice under "twice"), or every
 #: Linear of the block by class name (``lin_b`` of the nested block too; ``pre`` runs outside)
 POLICIES = ("full", "gemm", "save:lin_a", "save:Linear")
-PARAMS = ("pre.weight", "pre.bias", "lin_a.weight", "lin_a.bias", "lin_b.weight", "lin_b.bias",
-          "extra")
+PARAMS = (
+    "pre.weight",
+    "pre.bias",
+    "lin_a.weight",
+    "lin_a.bias",
+    "lin_b.weight",
+    "lin_b.bias",
+    "extra",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    mode: str                         # "reentrant" / "non_reentrant"
-    fused: bool                       # paddle_mgrad's fused linear on
+    mode: str  # "reentrant" / "non_reentrant"
+    fused: bool  # paddle_mgrad's fused linear on
     preserve_rng: bool
-    x0_source: str                    # "data" (leaf) / "pre" (through a linear outside) / "leaf_grad"
-    x1_grad: Optional[bool]           # None: no second input
+    x0_source: str  # "data" (leaf) / "pre" (through a linear outside) / "leaf_grad"
+    x1_grad: Optional[bool]  # None: no second input
     pair_grad: Optional[Tuple[bool, bool]]  # None: no tuple argument
     ops: Tuple[str, ...]
     out: str
-    tied: bool                        # lin_b.weight is lin_a.weight
-    mix: str                          # MixPrecisionLayer on "none" / "lin_a" / "all"
+    tied: bool  # lin_b.weight is lin_a.weight
+    mix: str  # MixPrecisionLayer on "none" / "lin_a" / "all"
     frozen: Tuple[Tuple[bool, ...], ...]  # per micro-step, per PARAMS entry
-    nested_mode: str                  # mode of the nested recompute ("reentrant"/"non_reentrant")
-    scale: float                      # non-tensor positional argument
-    shift_kw: float                   # non-tensor keyword argument
+    nested_mode: str  # mode of the nested recompute ("reentrant"/"non_reentrant")
+    scale: float  # non-tensor positional argument
+    shift_kw: float  # non-tensor keyword argument
     seed: int
-    in_place: str = "add_"            # the kind of the in-place ops (IN_PLACE key)
-    ip_input: bool = False            # the block starts with that op on its input x0
-    policy: str = "full"              # the recompute policy of ours (nested blocks too)
+    in_place: str = "add_"  # the kind of the in-place ops (IN_PLACE key)
+    ip_input: bool = False  # the block starts with that op on its input x0
+    policy: str = "full"  # the recompute policy of ours (nested blocks too)
 
     @property
     def changes_input(self):
@@ -89,9 +110,10 @@ def cases(draw, policies=POLICIES):
         out=draw(st.sampled_from(OUTS)),
         tied=draw(st.booleans()),
         mix=draw(st.sampled_from(("none", "lin_a", "all"))),
-        frozen=tuple(tuple(draw(st.lists(st.booleans(), min_size=len(PARAMS),
-                                         max_size=len(PARAMS))))
-                     for _ in range(micro)),
+        frozen=tuple(
+            tuple(draw(st.lists(st.booleans(), min_size=len(PARAMS), max_size=len(PARAMS))))
+            for _ in range(micro)
+        ),
         nested_mode=draw(st.sampled_from(("reentrant", "non_reentrant"))),
         scale=draw(st.sampled_from((0.5, 1.0, 2.0))),
         shift_kw=draw(st.sampled_from((0.0, 0.25))),
@@ -127,10 +149,15 @@ class Net(paddle.nn.Layer):
 
     def named(self):
         """PARAMS name -> parameter (a tied weight appears under both names)."""
-        return {"pre.weight": self.pre.weight, "pre.bias": self.pre.bias,
-                "lin_a.weight": self.lin_a.weight, "lin_a.bias": self.lin_a.bias,
-                "lin_b.weight": self.lin_b.weight, "lin_b.bias": self.lin_b.bias,
-                "extra": self.extra}
+        return {
+            "pre.weight": self.pre.weight,
+            "pre.bias": self.pre.bias,
+            "lin_a.weight": self.lin_a.weight,
+            "lin_a.bias": self.lin_a.bias,
+            "lin_b.weight": self.lin_b.weight,
+            "lin_b.bias": self.lin_b.bias,
+            "extra": self.extra,
+        }
 
     def inner(self, h, k):
         return paddle.tanh(self.lin_b(h)) * k
@@ -145,11 +172,11 @@ class Net(paddle.nn.Layer):
                 h = self.lin_a(h)
             elif op == "lin_b":
                 h = self.lin_b(h)
-            elif op == "twice":          # a layer used twice
+            elif op == "twice":  # a layer used twice
                 h = self.lin_a(paddle.tanh(self.lin_a(h)))
             elif op == "tanh":
                 h = paddle.tanh(h)
-            elif op == "no_grad":        # a region whose result is a constant
+            elif op == "no_grad":  # a region whose result is a constant
                 with paddle.no_grad():
                     c = self.lin_b(h).mean()
                 h = h * (1.0 + 0.1 * paddle.tanh(c))
@@ -165,9 +192,9 @@ class Net(paddle.nn.Layer):
                 h = self.rc(self.inner, h, 0.5, use_reentrant=self.case.nested_mode == "reentrant")
             elif op == "param_arg":
                 h = paddle.matmul(h, extra)
-            elif op == "ip_linear":      # an in-place op on a linear's output
+            elif op == "ip_linear":  # an in-place op on a linear's output
                 h = in_place(self.lin_b(h))
-            elif op == "ip_mid":         # ... on an intermediate value (a scale saves nothing)
+            elif op == "ip_mid":  # ... on an intermediate value (a scale saves nothing)
                 h = in_place(h * 1.25)
         return self.outputs(h, x0)
 
@@ -225,13 +252,19 @@ def run_case(case, how):
         if how.startswith("native"):
             # Paddle 2.6's non-reentrant recompute cannot preserve RNG state on CPU at all;
             # this run only asks whether Paddle refuses the pattern itself
-            return native_recompute(function, *args, use_reentrant=use_reentrant,
-                                    preserve_rng_state=False, **kwargs)
+            return native_recompute(
+                function, *args, use_reentrant=use_reentrant, preserve_rng_state=False, **kwargs
+            )
         if expects_value_check(case):
             kwargs["determinism_check"] = "values"
-        return paddle_mgrad.recompute(function, *args, use_reentrant=use_reentrant,
-                                      preserve_rng_state=case.preserve_rng, policy=case.policy,
-                                      **kwargs)
+        return paddle_mgrad.recompute(
+            function,
+            *args,
+            use_reentrant=use_reentrant,
+            preserve_rng_state=case.preserve_rng,
+            policy=case.policy,
+            **kwargs,
+        )
 
     net.rc = rc
     rs = np.random.RandomState(case.seed)
@@ -259,19 +292,28 @@ def run_case(case, how):
             x1.stop_gradient = not case.x1_grad
             leaves["x1"] = x1
         if case.pair_grad is not None:
-            pair = tuple(paddle.to_tensor(rs.standard_normal([2, D]).astype("float32"))
-                         for _ in range(2))
+            pair = tuple(
+                paddle.to_tensor(rs.standard_normal([2, D]).astype("float32")) for _ in range(2)
+            )
             for i, (p, g) in enumerate(zip(pair, case.pair_grad)):
                 p.stop_gradient = not g
                 leaves[f"pair{i}"] = p
         use_reentrant = case.mode == "reentrant"
-        out = rc(net.body, x0, case.scale, x1, pair, net.extra, use_reentrant=use_reentrant,
-                 shift=case.shift_kw)
+        out = rc(
+            net.body,
+            x0,
+            case.scale,
+            x1,
+            pair,
+            net.extra,
+            use_reentrant=use_reentrant,
+            shift=case.shift_kw,
+        )
         outs = _tensors(out)
         loss = None
         for k, o in enumerate(outs):
             result[f"step{step}.out{k}"] = _to_np(o)
-            term = (o.reshape([-1]) * weights[k % 3][:int(np.prod(o.shape))]).sum()
+            term = (o.reshape([-1]) * weights[k % 3][: int(np.prod(o.shape))]).sum()
             if not o.stop_gradient:
                 loss = term if loss is None else loss + term
         result[f"step{step}.n_out"] = len(outs)
@@ -296,12 +338,16 @@ def differences(got, ref, rtol=1e-5, atol=1e-6):
     for key in sorted(set(got) | set(ref)):
         g, r = got.get(key, "missing"), ref.get(key, "missing")
         if isinstance(g, str) or isinstance(r, str):
-            problems.append(f"{key}: {g if isinstance(g, str) else 'present'} vs "
-                            f"{r if isinstance(r, str) else 'present'}")
+            problems.append(
+                f"{key}: {g if isinstance(g, str) else 'present'} vs "
+                f"{r if isinstance(r, str) else 'present'}"
+            )
         elif g is None or r is None or isinstance(g, int):
             if (g is None) != (r is None) or (isinstance(g, int) and g != r):
-                problems.append(f"{key}: {g if g is None or isinstance(g, int) else 'set'} vs "
-                                f"reference {r if r is None or isinstance(r, int) else 'set'}")
+                problems.append(
+                    f"{key}: {g if g is None or isinstance(g, int) else 'set'} vs "
+                    f"reference {r if r is None or isinstance(r, int) else 'set'}"
+                )
         elif g.shape != r.shape or not np.allclose(g, r, rtol=rtol, atol=atol):
             err = np.abs(g - r).max() if g.shape == r.shape else f"shape {g.shape} vs {r.shape}"
             problems.append(f"{key}: max abs diff {err}")

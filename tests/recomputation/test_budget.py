@@ -3,6 +3,7 @@ first calls of a kind of block are measured under full recompute, then the subla
 most replay time per byte are kept within the fraction.  Bit-identical to no recompute over the
 measured and the planned calls, in both modes; the choice follows the measured figures (a
 planner fed fixed figures); the measured bytes are what ``save:`` of the same sublayer keeps."""
+
 import paddle
 import policy_runs
 import pytest
@@ -49,8 +50,9 @@ def test_budget_equals_no_recompute(fresh_plans, mode, fraction):
     taken = sum(plan["measured"][n]["bytes"] for n in chosen)
     assert taken <= plan["budget_bytes"] == int(float(fraction) * plan["block_bytes"])
     assert plan["block_bytes"] > 0
-    assert sorted(plan["measured"]) == sorted(["input_layernorm", "self_attn",
-                                               "post_attention_layernorm", "mlp", "dropout"])
+    assert sorted(plan["measured"]) == sorted(
+        ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "dropout"]
+    )
 
 
 def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans):
@@ -69,12 +71,15 @@ class _Figures:
         self.times, self.costs = seconds, costs
 
 
-@pytest.mark.parametrize("fraction, chosen", [
-    (0.3, ("b", "c", "free")),  # b (0.1 s/B) and c (0.02) fill 60 of 60 bytes; a passed over
-    (0.2, ("b", "free")),       # c (50) no longer fits after b (10): skipped for nothing
-    (1.0, ("a", "b", "c", "free")),
-    (0.0, ("free",)),           # a candidate that costs no byte is always kept
-])
+@pytest.mark.parametrize(
+    "fraction, chosen",
+    [
+        (0.3, ("b", "c", "free")),  # b (0.1 s/B) and c (0.02) fill 60 of 60 bytes; a passed over
+        (0.2, ("b", "free")),  # c (50) no longer fits after b (10): skipped for nothing
+        (1.0, ("a", "b", "c", "free")),
+        (0.0, ("free",)),  # a candidate that costs no byte is always kept
+    ],
+)
 def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fraction, chosen):
     names = ("a", "b", "c", "free", "never")
     planner = budget.Planner("budget:test", fraction)
@@ -83,8 +88,14 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
     for call in range(budget.MEASURED_CALLS):
         # times vary between calls: the minimum counts (warm-ups); bytes are averaged
         slow = 5.0 if call == 0 else 1.0
-        planner.measured(key, _Figures({"a": slow, "b": 1.0, "c": 1.0, "free": 0.5},
-                                       {"a": 100, "b": 10, "c": 50, "free": 0}), 200)
+        planner.measured(
+            key,
+            _Figures(
+                {"a": slow, "b": 1.0, "c": 1.0, "free": 0.5},
+                {"a": 100, "b": 10, "c": 50, "free": 0},
+            ),
+            200,
+        )
     assert planner.kinds[key].chosen == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert report["chosen"] == list(chosen)
@@ -101,8 +112,9 @@ def test_measured_bytes_are_what_save_keeps(fresh_plans):
     for name in ("mlp", "self_attn", "post_attention_layernorm"):
         stats.reset()
         train("non_reentrant", f"save:{name}", steps=1)
-        assert stats.snapshot()["policy"][f"save:{name}"]["kept_bytes"] == \
-            measured[name]["bytes"], name
+        assert (
+            stats.snapshot()["policy"][f"save:{name}"]["kept_bytes"] == measured[name]["bytes"]
+        ), name
 
 
 def test_budget_from_the_environment_reaches_paddles_own_recompute(fresh_plans, monkeypatch):
@@ -122,8 +134,7 @@ def test_budget_from_the_environment_reaches_paddles_own_recompute(fresh_plans, 
     assert "Decoder" in snap["plans"]["budget:0.5"]
 
 
-@pytest.mark.parametrize("bad", ["budget:", "budget:x", "budget:1.5", "budget:-0.1",
-                                 "budget:nan"])
+@pytest.mark.parametrize("bad", ["budget:", "budget:x", "budget:1.5", "budget:-0.1", "budget:nan"])
 def test_bad_budgets_are_named(monkeypatch, bad):
     with pytest.raises(ValueError, match=r"budget: takes a fraction from 0 to 1"):
         policy_mod.resolve(bad)

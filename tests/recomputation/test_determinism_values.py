@@ -5,6 +5,7 @@ the forward and in recomputation, so the default shape check (like torch's
 CheckpointError and Paddle) lets it through with silently inconsistent gradients;
 that is asserted too, to document what "values" adds.
 """
+
 import gc
 import weakref
 
@@ -48,13 +49,16 @@ def _data_dependent_slice():
     def fn(x):
         calls.append(1)
         k = len(calls) % 2  # a different window each time it runs, same shape
-        return paddle.tanh(x * big[k:k + 2])
+        return paddle.tanh(x * big[k : k + 2])
 
     return fn, {}
 
 
-CASES = {"unseeded_random": _unseeded_random, "mutated_global": _mutated_global,
-         "data_dependent_slice": _data_dependent_slice}
+CASES = {
+    "unseeded_random": _unseeded_random,
+    "mutated_global": _mutated_global,
+    "data_dependent_slice": _data_dependent_slice,
+}
 
 
 def _run(case, use_reentrant, **kw):
@@ -114,8 +118,9 @@ def test_environment_variable_read_at_call_time(monkeypatch):
     x = paddle.randn([2])
     x.stop_gradient = False
     # read through paddle_mgrad.env (its table names the accepted values)
-    with pytest.raises(EnvError, match=f"{ENV_DETERMINISM_CHECK}='bogus' is not valid; "
-                                       "accepted: shapes"):
+    with pytest.raises(
+        EnvError, match=f"{ENV_DETERMINISM_CHECK}='bogus' is not valid; accepted: shapes"
+    ):
         paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False)
     with pytest.raises(ValueError, match="determinism_check='shape': expected one of"):
         paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False, determinism_check="shape")
@@ -175,8 +180,7 @@ def test_none_lets_a_recomputation_save_more_than_the_forward():
     x = paddle.randn([4])
     x.stop_gradient = False
     paddle_mgrad.recompute(fn, x, use_reentrant=False, determinism_check="none").backward()
-    np.testing.assert_allclose(x.grad.numpy(), 1 - np.tanh(x.numpy()) ** 2, rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(x.grad.numpy(), 1 - np.tanh(x.numpy()) ** 2, rtol=1e-6, atol=1e-6)
 
 
 def test_values_check_names_the_first_three_tensors_that_differ():
@@ -237,8 +241,13 @@ def test_fingerprint_sees_permutations_and_small_changes():
     flat[0], flat[2] = 5.0, -3.0
     swapped = flat.copy()
     swapped[[0, 2]] = swapped[[2, 0]]
-    assert fingerprint_mismatch(fingerprint(paddle.to_tensor(flat)).numpy(),
-                                fingerprint(paddle.to_tensor(swapped)).numpy()) == 2
+    assert (
+        fingerprint_mismatch(
+            fingerprint(paddle.to_tensor(flat)).numpy(),
+            fingerprint(paddle.to_tensor(swapped)).numpy(),
+        )
+        == 2
+    )
     bumped = x.numpy().copy()
     bumped[7, 3] += 0.5
     assert fingerprint_mismatch(base, fingerprint(paddle.to_tensor(bumped)).numpy()) is not None
@@ -276,6 +285,7 @@ def _two_faced(first, later):
 
 def _with(values):
     """x -> x * 1 with some entries replaced by ``values`` ({flat index: value})."""
+
     def make(x):
         mask = np.zeros(x.shape, "float32")
         fill = np.zeros(x.shape, "float32")
@@ -284,6 +294,7 @@ def _with(values):
             fill.flat[i] = v
         m, f = paddle.to_tensor(mask), paddle.to_tensor(fill)
         return paddle.where(m > 0, f, x * 1.0)
+
     return make
 
 
@@ -351,6 +362,7 @@ def test_fingerprint_tells_small_dropout_masks_apart():
     assert fingerprint_mismatch(fa, fb) == 2
     # and every pair of different 8-element masks with 1..3 ones
     import itertools
+
     masks = [m for k in (1, 2, 3) for m in itertools.combinations(range(8), k)]
     prints = []
     for m in masks:

@@ -13,6 +13,7 @@ A non-reentrant recomputation re-runs our fused linear without its PyLayer: its 
 be no leaf, or Paddle refuses the in-place op ("Leaf Var () that doesn't stop gradient can't
 use inplace strategy") -- what stopped tensor parallelism and 7 of 11 PaddleFormers families.
 """
+
 import weakref
 
 import numpy as np
@@ -183,8 +184,9 @@ def test_replayed_linear_output_is_no_leaf():
     y = linear_mod._recomputed_linear(x, lin.weight, lin.bias, packed.append)
     assert packed == [x]
     assert not y.stop_gradient and not y.is_leaf
-    np.testing.assert_array_equal(y.numpy(), paddle.nn.functional.linear(x, lin.weight,
-                                                                         lin.bias).numpy())
+    np.testing.assert_array_equal(
+        y.numpy(), paddle.nn.functional.linear(x, lin.weight, lin.bias).numpy()
+    )
     assert paddle.is_grad_enabled()
 
 
@@ -220,8 +222,11 @@ def test_no_graph_outlives_its_step(op, ending):
     finally:
         paddle_mgrad.disable()
     del block
-    alive = [name for name, r in zip(("argument", "linear output", "tanh output"), refs)
-             if r() is not None]
+    alive = [
+        name
+        for name, r in zip(("argument", "linear output", "tanh output"), refs)
+        if r() is not None
+    ]
     assert not alive, alive
 
 
@@ -235,8 +240,11 @@ def test_an_argument_changed_after_the_block_raises(block, mode):
     refuses all three in both modes, by name, and the next step trains."""
     paddle.seed(3)
     lin = paddle.nn.Linear(D, D)
-    fn = {"replayed": lambda t: paddle.tanh(lin(t)), "argument_only": lambda t: lin(t),
-          "no_linear": lambda t: paddle.tanh(t + 1.0)}[block]
+    fn = {
+        "replayed": lambda t: paddle.tanh(lin(t)),
+        "argument_only": lambda t: lin(t),
+        "no_linear": lambda t: paddle.tanh(t + 1.0),
+    }[block]
     reentrant = mode == "reentrant"
     paddle_mgrad.enable(recompute=True)
     try:
@@ -245,9 +253,12 @@ def test_an_argument_changed_after_the_block_raises(block, mode):
         h = x * 1.0
         out = paddle_mgrad.recompute(fn, h, use_reentrant=reentrant)
         h.scale_(2.0)
-        with pytest.raises(RecomputeError, match=r"tensor argument #0 .* has been modified by an "
-                                                 r"inplace operation after the block was called "
-                                                 r"\(inplace version 1, 0 at the call\)"):
+        with pytest.raises(
+            RecomputeError,
+            match=r"tensor argument #0 .* has been modified by an "
+            r"inplace operation after the block was called "
+            r"\(inplace version 1, 0 at the call\)",
+        ):
             out.sum().backward()
         assert paddle.is_grad_enabled()
         x.clear_gradient()

@@ -8,6 +8,7 @@ with its use, as Paddle's own recompute frees it, and not when the graph dies (w
 failed determinism check nothing recomputed stays behind either.  White-box: the frames are
 recorded as the recompute makes them.
 """
+
 import numpy as np
 import paddle
 import pytest
@@ -86,8 +87,10 @@ def test_a_recomputation_reruns_the_fused_linear_without_its_pylayer(check):
     from paddle_mgrad import stats
 
     def two_blocks():
-        return [paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(),
-                                     paddle.nn.Linear(5, 5)) for _ in range(2)]
+        return [
+            paddle.nn.Sequential(paddle.nn.Linear(5, 5), paddle.nn.ReLU(), paddle.nn.Linear(5, 5))
+            for _ in range(2)
+        ]
 
     paddle.seed(3)
     blocks, ref = two_blocks(), two_blocks()
@@ -105,8 +108,11 @@ def test_a_recomputation_reruns_the_fused_linear_without_its_pylayer(check):
         try:
             h = x
             for blk in layers:
-                h = paddle_mgrad.recompute(blk, h, use_reentrant=False,
-                                           determinism_check=check) if fused else blk(h)
+                h = (
+                    paddle_mgrad.recompute(blk, h, use_reentrant=False, determinism_check=check)
+                    if fused
+                    else blk(h)
+                )
             before = dict(stats.linear)
             (h * h).sum().backward()
             return x, before
@@ -124,7 +130,6 @@ def test_a_recomputation_reruns_the_fused_linear_without_its_pylayer(check):
     for a, b in zip(blocks, ref):
         for p, q in zip(a.parameters(), b.parameters()):
             np.testing.assert_allclose(p.main_grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-6)
-
 
 
 class _SavesItsInputs(paddle.autograd.PyLayer):
@@ -170,8 +175,7 @@ def test_the_blocks_arguments_are_kept_as_themselves(changes_its_input):
 
     def run(recompute):
         x, h = _block_input(data)
-        y = paddle_mgrad.recompute(block, h, w, use_reentrant=False) if recompute \
-            else block(h, w)
+        y = paddle_mgrad.recompute(block, h, w, use_reentrant=False) if recompute else block(h, w)
         _SavesItsInputs.seen.clear()
         y.sum().backward()
         return x.grad.numpy(), h, list(_SavesItsInputs.seen)
@@ -210,8 +214,9 @@ def test_a_frozen_parameter_the_block_reaches_itself_is_kept_as_itself():
     w.stop_gradient = True
     x, h = _block_input(paddle.randn([3, 4]).numpy())
     _SavesItsInputs.seen.clear()
-    y = paddle_mgrad.recompute(lambda h: paddle.tanh(_SavesItsInputs.apply(h, w)), h,
-                               use_reentrant=False)
+    y = paddle_mgrad.recompute(
+        lambda h: paddle.tanh(_SavesItsInputs.apply(h, w)), h, use_reentrant=False
+    )
     y.sum().backward()
     ((_, sw),) = _SavesItsInputs.seen
     assert sw is w
@@ -244,8 +249,11 @@ def test_a_recomputation_that_saves_a_tensor_where_the_forward_saved_none_names_
     frame.pack(None)
     holder = frame.pack(_dropped_tensor())
     frame.forward_done()
-    with pytest.raises(RecomputeError, match=r"saved tensor #0: forward saved None, "
-                                             r"recomputation saved "):
+    with pytest.raises(
+        RecomputeError,
+        match=r"saved tensor #0: forward saved None, "
+        r"recomputation saved ",
+    ):
         frame.unpack(holder)
 
 
@@ -254,8 +262,11 @@ def test_a_recomputation_that_saves_less_names_the_first_missing_none():
     frame.pack(None)
     holder = frame.pack(_dropped_tensor())
     frame.forward_done()
-    with pytest.raises(RecomputeError, match=r"recomputation saved 0 tensors, the forward saved "
-                                             r"2 \(first missing: #0, forward saved None\)"):
+    with pytest.raises(
+        RecomputeError,
+        match=r"recomputation saved 0 tensors, the forward saved "
+        r"2 \(first missing: #0, forward saved None\)",
+    ):
         frame.unpack(holder)
 
 
@@ -265,8 +276,11 @@ def test_without_the_check_a_tensor_not_reproduced_is_named():
     frame = non_reentrant._Frame(_saves_nothing, (), {}, False, "none")
     holder = frame.pack(_dropped_tensor())
     frame.forward_done()
-    with pytest.raises(RecomputeError, match=r"^recompute\(_saves_nothing\): saved tensor #0 "
-                                             r"was not reproduced by recomputation$"):
+    with pytest.raises(
+        RecomputeError,
+        match=r"^recompute\(_saves_nothing\): saved tensor #0 "
+        r"was not reproduced by recomputation$",
+    ):
         frame.unpack(holder)
 
 
@@ -299,6 +313,9 @@ def test_a_tensor_saved_during_the_recomputation_is_never_unpacked():
     frame = non_reentrant._Frame(block, (), {}, False)
     holder = frame.pack(_dropped_tensor())
     frame.forward_done()
-    with pytest.raises(Exception, match=r"(?m)RecomputeError: internal: a tensor saved during "
-                                        r"recomputation was unpacked$"):
+    with pytest.raises(
+        Exception,
+        match=r"(?m)RecomputeError: internal: a tensor saved during "
+        r"recomputation was unpacked$",
+    ):
         frame.unpack(holder)

@@ -5,6 +5,7 @@ The reference is numpy itself: a state captured by ``numpy_rng.capture()`` and o
 generator moved in between (uniform draws that regenerate the key, normal draws that fill or
 empty the legacy cache, reseeding); hypothesis draws those histories.
 """
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -14,14 +15,13 @@ from paddle_mgrad.recomputation import numpy_rng, rng
 
 # what a history step does to np.random
 _STEPS = {
-    "uniform": lambda n: np.random.rand(n),          # the key only (n > 624: regenerated)
-    "normal": lambda n: np.random.randn(n),          # key and the normal-draw cache
+    "uniform": lambda n: np.random.rand(n),  # the key only (n > 624: regenerated)
+    "normal": lambda n: np.random.randn(n),  # key and the normal-draw cache
     "one_normal": lambda n: np.random.standard_normal(),  # one value: the cache flips
-    "seed": lambda n: np.random.seed(n),             # key reset, cache emptied
+    "seed": lambda n: np.random.seed(n),  # key reset, cache emptied
     "int": lambda n: np.random.randint(0, 1 << 30, size=n),
 }
-_history = st.lists(st.tuples(st.sampled_from(sorted(_STEPS)), st.integers(0, 1500)),
-                    max_size=6)
+_history = st.lists(st.tuples(st.sampled_from(sorted(_STEPS)), st.integers(0, 1500)), max_size=6)
 
 
 def _run(history):
@@ -52,7 +52,7 @@ def test_the_fast_path_is_calibrated_on_this_numpy():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(before=_history, between=_history, seed=st.integers(0, 2 ** 32 - 1))
+@given(before=_history, between=_history, seed=st.integers(0, 2**32 - 1))
 def test_capture_restore_replays_like_numpy(before, between, seed):
     np.random.seed(seed)
     _run(before)

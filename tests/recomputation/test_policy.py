@@ -4,6 +4,7 @@ per linear.  Every output, input gradient, ``.grad`` and ``main_grad`` must be b
 to the same model without recompute -- with in-place ops after a linear (each kind of
 :data:`in_place_ops.IN_PLACE`: a kept output changed in place must be recomputed), in both
 modes, with and without bias, over two micro-steps (``main_grad`` None, then accumulated)."""
+
 import numpy as np
 import paddle
 import policy_runs
@@ -56,10 +57,19 @@ def mlp_and_input():
 def train(how, policy=None, op=None, where="gate", bias=True, micro=2, after=None):
     """``micro`` micro-steps of :class:`MLP` (``pre`` outside the block) with recompute ``how``
     ("none" or a mode) under ``policy`` (:func:`policy_runs.train`)."""
-    return policy_runs.train(lambda: MLP(None if op is None else IN_PLACE[op], where, bias), how,
-                             policy, micro, block=lambda net: net.block,
-                             block_input=lambda net, x: net.pre(x), after=after, seed=7,
-                             data_seed=1, rows=ROWS, d=D)
+    return policy_runs.train(
+        lambda: MLP(None if op is None else IN_PLACE[op], where, bias),
+        how,
+        policy,
+        micro,
+        block=lambda net: net.block,
+        block_input=lambda net, x: net.pre(x),
+        after=after,
+        seed=7,
+        data_seed=1,
+        rows=ROWS,
+        d=D,
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
@@ -93,12 +103,15 @@ def _count_gemms_in_backward(monkeypatch, policy, op):
         paddle_mgrad.disable()
 
 
-@pytest.mark.parametrize("policy, op, recomputed, kept", [
-    ("full", None, 3, None),
-    ("gemm", None, 0, 3),
-    ("gemm", "add_", 1, 2),   # gate's output changed in place: that one is recomputed
-    ("gemm", "mp_allreduce", 1, 2),
-])
+@pytest.mark.parametrize(
+    "policy, op, recomputed, kept",
+    [
+        ("full", None, 3, None),
+        ("gemm", None, 0, 3),
+        ("gemm", "add_", 1, 2),  # gate's output changed in place: that one is recomputed
+        ("gemm", "mp_allreduce", 1, 2),
+    ],
+)
 def test_what_the_recomputation_multiplies(monkeypatch, policy, op, recomputed, kept):
     n, counters = _count_gemms_in_backward(monkeypatch, policy, op)
     assert n == recomputed
@@ -109,11 +122,18 @@ def test_what_the_recomputation_multiplies(monkeypatch, policy, op, recomputed, 
     sizes = {"gate": ROWS * F, "up": ROWS * F, "down": ROWS * D}
     kept_names = ["up", "down"] if op else ["gate", "up", "down"]
     flops = {"gate": 2 * ROWS * D * F, "up": 2 * ROWS * D * F, "down": 2 * ROWS * F * D}
-    assert counters == {"gemm": {
-        "calls": 1, "kept_outputs": kept, "kept_bytes": 4 * sum(sizes[k] for k in kept_names),
-        "replays": 1, "gemms_not_recomputed": kept,
-        "gemm_flops_not_recomputed": sum(flops[k] for k in kept_names),
-        "sublayers_kept": 0, "sublayers_not_recomputed": 0}}
+    assert counters == {
+        "gemm": {
+            "calls": 1,
+            "kept_outputs": kept,
+            "kept_bytes": 4 * sum(sizes[k] for k in kept_names),
+            "replays": 1,
+            "gemms_not_recomputed": kept,
+            "gemm_flops_not_recomputed": sum(flops[k] for k in kept_names),
+            "sublayers_kept": 0,
+            "sublayers_not_recomputed": 0,
+        }
+    }
 
 
 def test_policy_from_the_environment_reaches_paddles_own_recompute(monkeypatch):
@@ -135,8 +155,11 @@ def test_policy_from_the_environment_reaches_paddles_own_recompute(monkeypatch):
 
 
 def test_a_bad_policy_is_named(monkeypatch):
-    with pytest.raises(ValueError, match=r"policy='gemms'.*accepted: full, gemm, "
-                                         r"save:<pattern>\[,<pattern>...\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy='gemms'.*accepted: full, gemm, "
+        r"save:<pattern>\[,<pattern>...\]",
+    ):
         policy_mod.resolve("gemms")
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "selective")
     with pytest.raises(EnvError, match=r"PADDLE_MGRAD_RECOMPUTE_POLICY='selective'.*full"):
@@ -158,15 +181,15 @@ def test_a_callable_policy_chooses_per_linear():
     try:
         net, x = mlp_and_input()
         h = net.pre(x)
-        paddle_mgrad.recompute(net.block, h, use_reentrant=False,
-                               policy=wide_only).sum().backward()
+        paddle_mgrad.recompute(net.block, h, use_reentrant=False, policy=wide_only).sum().backward()
     finally:
         paddle_mgrad.disable()
-    assert [c.weight is p for c, p in zip(asked, (net.gate.weight, net.up.weight,
-                                                   net.down.weight))] == [True] * 3
+    assert [
+        c.weight is p for c, p in zip(asked, (net.gate.weight, net.up.weight, net.down.weight))
+    ] == [True] * 3
     assert [(c.kind, c.x_shape, c.out_shape, c.flops, c.out_bytes, c.dtype) for c in asked] == [
-        ("gemm", (ROWS, D), (ROWS, F), 2 * ROWS * D * F, 4 * ROWS * F, "paddle.float32")] * 2 + [
-        ("gemm", (ROWS, F), (ROWS, D), 2 * ROWS * F * D, 4 * ROWS * D, "paddle.float32")]
+        ("gemm", (ROWS, D), (ROWS, F), 2 * ROWS * D * F, 4 * ROWS * F, "paddle.float32")
+    ] * 2 + [("gemm", (ROWS, F), (ROWS, D), 2 * ROWS * F * D, 4 * ROWS * D, "paddle.float32")]
     counters = stats.snapshot()["policy"]["wide_only"]
     assert (counters["kept_outputs"], counters["gemms_not_recomputed"]) == (2, 2)
     # and the callable's choice is bit-identical too
@@ -189,8 +212,7 @@ def test_paddle_grad_then_backward_under_gemm(monkeypatch, mode):
     try:
         net, x = mlp_and_input()
         h = net.pre(x)
-        out = paddle_mgrad.recompute(net.block, h, use_reentrant=mode == "reentrant",
-                                     policy="gemm")
+        out = paddle_mgrad.recompute(net.block, h, use_reentrant=mode == "reentrant", policy="gemm")
         gemms = []
         real = linear._paddle_linear
         monkeypatch.setattr(linear, "_paddle_linear", lambda *a: gemms.append(1) or real(*a))
@@ -224,8 +246,7 @@ def test_offload_keeps_the_reentrant_engine():
     try:
         net, x = mlp_and_input()
         h = net.pre(x)
-        paddle_mgrad.recompute(net.block, h, offload_indices=[0],
-                               policy="gemm").sum().backward()
+        paddle_mgrad.recompute(net.block, h, offload_indices=[0], policy="gemm").sum().backward()
     finally:
         paddle_mgrad.disable()
     snap = stats.snapshot()
@@ -248,17 +269,23 @@ def test_a_callable_policy_is_asked_about_a_3d_input():
     try:
         net, _ = mlp_and_input()
         h = net.pre(paddle.randn([2, ROWS, D]))
-        paddle_mgrad.recompute(net.block, h, use_reentrant=False,
-                               policy=down_only).sum().backward()
+        paddle_mgrad.recompute(net.block, h, use_reentrant=False, policy=down_only).sum().backward()
     finally:
         paddle_mgrad.disable()
     assert [(c.x_shape, c.flops) for c in asked] == [((2, ROWS, D), 2 * 2 * ROWS * D * F)] * 2 + [
-        ((2, ROWS, F), 2 * 2 * ROWS * F * D)]
+        ((2, ROWS, F), 2 * 2 * ROWS * F * D)
+    ]
     counters = stats.snapshot()["policy"]["down_only"]
-    assert counters == {"calls": 1, "kept_outputs": 1, "kept_bytes": 4 * 2 * ROWS * D,
-                        "replays": 1, "gemms_not_recomputed": 1,
-                        "gemm_flops_not_recomputed": 2 * 2 * ROWS * F * D,
-                        "sublayers_kept": 0, "sublayers_not_recomputed": 0}
+    assert counters == {
+        "calls": 1,
+        "kept_outputs": 1,
+        "kept_bytes": 4 * 2 * ROWS * D,
+        "replays": 1,
+        "gemms_not_recomputed": 1,
+        "gemm_flops_not_recomputed": 2 * 2 * ROWS * F * D,
+        "sublayers_kept": 0,
+        "sublayers_not_recomputed": 0,
+    }
 
 
 class _KeepEvery:
@@ -273,8 +300,9 @@ def test_a_callable_policy_without_a_name_is_counted_as_callable():
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
         net, x = mlp_and_input()
-        paddle_mgrad.recompute(net.block, net.pre(x), use_reentrant=False,
-                               policy=_KeepEvery()).sum().backward()
+        paddle_mgrad.recompute(
+            net.block, net.pre(x), use_reentrant=False, policy=_KeepEvery()
+        ).sum().backward()
     finally:
         paddle_mgrad.disable()
     assert list(stats.snapshot()["policy"]) == ["callable"]
@@ -286,6 +314,7 @@ def test_a_kept_output_changed_after_the_block_and_needed_inside_it_is_recompute
     backward; a recomputation can still compute the gradient of what the block computed, and
     under ``gemm`` it must do so from the recomputed ``y``, not from the changed one it kept:
     the gradients equal full recompute's."""
+
     def run(policy):
         paddle_mgrad.enable(recompute=True, fused_linear=True)
         try:
@@ -363,13 +392,20 @@ def test_kept_outputs_in_call_order():
     assert (kept.kept, kept.kept_bytes) == (3, 4 * 2 * ROWS * (F + F + D))
 
     def replay(first_x=x):
-        return [kept.take(first_x, w_in), kept.take(x, w_in), kept.take(x, w_in),
-                kept.take(x, w_in), kept.take(kept_y, w_out), kept.take(x, w_in)]
+        return [
+            kept.take(first_x, w_in),
+            kept.take(x, w_in),
+            kept.take(x, w_in),
+            kept.take(x, w_in),
+            kept.take(kept_y, w_out),
+            kept.take(x, w_in),
+        ]
 
     taken = replay()
     assert [t is None for t in taken] == [True, False, False, True, False, True]
-    for (t, stop_gradient), y in zip([taken[1], taken[2], taken[4]],
-                                     [kept_y, changed_before, last]):
+    for (t, stop_gradient), y in zip(
+        [taken[1], taken[2], taken[4]], [kept_y, changed_before, last]
+    ):
         assert t.data_ptr() == y.data_ptr() and stop_gradient == y.stop_gradient
     gemm_flops = 2 * 2 * ROWS * F * D  # [2, ROWS, D] @ [D, F] and [2, ROWS, F] @ [F, D]
     assert (kept.skipped, kept.skipped_flops) == (3, 3 * gemm_flops)
@@ -397,14 +433,22 @@ def test_a_block_that_changes_its_input_keeps_nothing_for_its_policy(policy):
             h.scale_(2.0)
             return net.block(h)
 
-        paddle_mgrad.recompute(block, net.pre(x), use_reentrant=False,
-                               policy=policy).sum().backward()
+        paddle_mgrad.recompute(
+            block, net.pre(x), use_reentrant=False, policy=policy
+        ).sum().backward()
     finally:
         paddle_mgrad.disable()
     counters = stats.snapshot()["policy"][policy]
-    assert counters == {"calls": 1, "kept_outputs": 0, "kept_bytes": 0, "replays": 0,
-                        "gemms_not_recomputed": 0, "gemm_flops_not_recomputed": 0,
-                        "sublayers_kept": 0, "sublayers_not_recomputed": 0}
+    assert counters == {
+        "calls": 1,
+        "kept_outputs": 0,
+        "kept_bytes": 0,
+        "replays": 0,
+        "gemms_not_recomputed": 0,
+        "gemm_flops_not_recomputed": 0,
+        "sublayers_kept": 0,
+        "sublayers_not_recomputed": 0,
+    }
     assert stats.snapshot()["recompute"]["kept_from_forward"] == 1
 
 
@@ -413,7 +457,8 @@ def test_a_save_policy_is_made_once_per_name(monkeypatch):
     patterns, made once per name (a fresh cache here: the one of the process may be filled)."""
     monkeypatch.setattr(policy_mod, "_NAMED", {})
     made = policy_mod.resolve("save:mlp.down,*Norm")
-    assert made == policy_mod.Policy("save:mlp.down,*Norm", gemm=False,
-                                     patterns=("mlp.down", "*Norm"))
+    assert made == policy_mod.Policy(
+        "save:mlp.down,*Norm", gemm=False, patterns=("mlp.down", "*Norm")
+    )
     assert made.kept_outputs() is None
     assert policy_mod.resolve("save:mlp.down,*Norm") is made

@@ -7,6 +7,7 @@ the assertion fails and tells us.  Paddle's non-reentrant recompute runs with
 ``preserve_rng_state=False`` where the case is not about random state, so that
 Paddle 2.6's CPU RNG refusal does not hide the bug the test is about.
 """
+
 import json
 import re
 
@@ -206,8 +207,11 @@ def test_param_grad_without_main_grad_matches_plain():
         blk = Block(bias=True, layer_cls=SaveAll)
         xt = x.detach()
         xt.stop_gradient = False
-        y = blk(xt) if mode == "none" else paddle_mgrad.recompute(
-            blk, xt, use_reentrant=(mode == "reentrant"))
+        y = (
+            blk(xt)
+            if mode == "none"
+            else paddle_mgrad.recompute(blk, xt, use_reentrant=(mode == "reentrant"))
+        )
         (y * y).sum().backward()
         grads[mode] = [p.grad.numpy() for p in blk.parameters()] + [xt.grad.numpy()]
     for mode in MODES[1:]:
@@ -244,8 +248,9 @@ def _arg_weight_run(impl, x_needs_grad, steps=2):
     xs = [paddle.randn([5, 8]) for _ in range(steps)]
     for x in xs:
         x.stop_gradient = not x_needs_grad
-        y = run_with(impl, lambda a, b: paddle.tanh(_UsesArgWeight.apply(a, b)), x, w,
-                     use_reentrant=True)
+        y = run_with(
+            impl, lambda a, b: paddle.tanh(_UsesArgWeight.apply(a, b)), x, w, use_reentrant=True
+        )
         y.sum().backward()
     ref = 0
     wn = w.numpy().astype("f8")
@@ -305,8 +310,9 @@ def test_recomputed_non_leaf_shares_buffer_and_keeps_flags():
     assert seen["stop_gradient"] is False
     if not PADDLE2:
         assert seen["attr"] == "hidden"
-    np.testing.assert_allclose(x.grad.numpy(), 2 * (1 - np.tanh(x.numpy()) ** 2), rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        x.grad.numpy(), 2 * (1 - np.tanh(x.numpy()) ** 2), rtol=1e-6, atol=1e-6
+    )
 
 
 # ----------------------------------------------------------------------- RNG
@@ -318,8 +324,11 @@ class DropNet(paddle.nn.Layer):
 
     def forward(self, x, rc=None, use_reentrant=True):
         for b in self.blocks:
-            x = b(x) if rc is None else rc(b, x, use_reentrant=use_reentrant,
-                                             preserve_rng_state=True)
+            x = (
+                b(x)
+                if rc is None
+                else rc(b, x, use_reentrant=use_reentrant, preserve_rng_state=True)
+            )
         return self.head(x).mean()
 
 
@@ -340,8 +349,9 @@ def _train_dropnet(rc, use_reentrant, steps=3):
     return np.array(losses), [p.numpy() for p in net.parameters()]
 
 
-@pytest.mark.parametrize("impl,use_reentrant", [
-    ("ours", True), ("ours", False), ("native", True), ("native", False)])
+@pytest.mark.parametrize(
+    "impl,use_reentrant", [("ours", True), ("ours", False), ("native", True), ("native", False)]
+)
 def test_dropout_bit_identical_over_steps(impl, use_reentrant):
     ref_l, ref_p = _train_dropnet(None, use_reentrant)
     rc = paddle_mgrad.recompute if impl == "ours" else native_recompute
@@ -383,9 +393,9 @@ def test_mp_tracker_dropout_same_in_a_second_backward():
     tracker.set_states_tracker(dict(start))
     x.stop_gradient = False
     y = paddle_mgrad.recompute(fn, x, use_reentrant=False)
-    (y ** 2).sum().backward(retain_graph=True)
+    (y**2).sum().backward(retain_graph=True)
     g1 = x.grad.numpy().copy()
-    (y ** 2).sum().backward()
+    (y**2).sum().backward()
     np.testing.assert_allclose(g1, xp.grad.numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(x.grad.numpy(), 2 * g1, rtol=1e-6, atol=1e-6)
 
@@ -396,8 +406,9 @@ def test_rng_state_restored_after_recompute():
 
     x = paddle.randn([8])
     x.stop_gradient = False
-    y = paddle_mgrad.recompute(lambda t: paddle.nn.functional.dropout(t, 0.5) * 2, x,
-                               use_reentrant=False)
+    y = paddle_mgrad.recompute(
+        lambda t: paddle.nn.functional.dropout(t, 0.5) * 2, x, use_reentrant=False
+    )
     state = (paddle.get_rng_state(), np.random.get_state(), random.getstate())
     y.sum().backward()
     drawn = (paddle.rand([6]).numpy(), np.random.rand(6), random.random())
@@ -443,7 +454,8 @@ def test_amp_state_replayed(use_reentrant):
 # ------------------------------------------------------------- determinism
 NONDETERMINISTIC_ADVICE = (
     ". Gradients would be wrong. Make the block's saved tensors depend only on its inputs (use "
-    "preserve_rng_state=True for dropout, avoid data-dependent branches).")
+    "preserve_rng_state=True for dropout, avoid data-dependent branches)."
+)
 
 
 @pytest.mark.parametrize("kind", ["shape", "fewer", "extra", "dtype"])
@@ -477,11 +489,17 @@ def test_nondeterministic_recomputation_raises(kind):
     if kind == "dtype":
         assert "dtype=paddle.float64" in msg
     if kind == "fewer":  # the count check after the rerun, naming the first missing tensor
-        assert re.search(r"recomputation saved 1 tensors, the forward saved 2 "
-                         r"\(first missing: #1, forward saved \[4\]\)", msg), msg
+        assert re.search(
+            r"recomputation saved 1 tensors, the forward saved 2 "
+            r"\(first missing: #1, forward saved \[4\]\)",
+            msg,
+        ), msg
     if kind == "extra":  # the rerun's pack hook saw more tensors than the forward saved
-        assert re.search(r"recomputation saved an extra tensor #1 Tensor\(name='[^']*', "
-                         r"shape=\[4\], dtype=paddle.float32\); the forward saved only 1", msg), msg
+        assert re.search(
+            r"recomputation saved an extra tensor #1 Tensor\(name='[^']*', "
+            r"shape=\[4\], dtype=paddle.float32\); the forward saved only 1",
+            msg,
+        ), msg
     assert msg.endswith(NONDETERMINISTIC_ADVICE), msg
     assert isinstance(e.value, RuntimeError)
     assert paddle.framework._dygraph_tracer()._has_grad  # grad mode back on after the error
@@ -504,9 +522,11 @@ def test_a_recomputation_saving_many_more_tensors_names_three():
     y = paddle_mgrad.recompute(fn, x, use_reentrant=False)
     with pytest.raises(RecomputeError) as e:
         y.backward()
-    problems = str(e.value).split(" is not deterministic: ")[1][:-len(NONDETERMINISTIC_ADVICE)]
-    one = (r"recomputation saved an extra tensor #{} Tensor\(name='[^']*', shape=\[4\], "
-           r"dtype=paddle.float32\); the forward saved only 1")
+    problems = str(e.value).split(" is not deterministic: ")[1][: -len(NONDETERMINISTIC_ADVICE)]
+    one = (
+        r"recomputation saved an extra tensor #{} Tensor\(name='[^']*', shape=\[4\], "
+        r"dtype=paddle.float32\); the forward saved only 1"
+    )
     assert re.fullmatch("; ".join(one.format(i) for i in (1, 2, 3)), problems), problems
 
 
@@ -574,60 +594,83 @@ def _grads_of(fn_builder, impl, use_reentrant):
     xb = paddle.randn([3, 6])
     xa.stop_gradient = False
     xb.stop_gradient = False
-    out = fn_builder(layer, xa, xb, lambda *a, **k: run_with(impl, *a, use_reentrant=use_reentrant, **k))
-    loss = sum(o.sum() for o in out if o is not None) if isinstance(out, (list, tuple)) else out.sum()
+    out = fn_builder(
+        layer, xa, xb, lambda *a, **k: run_with(impl, *a, use_reentrant=use_reentrant, **k)
+    )
+    loss = (
+        sum(o.sum() for o in out if o is not None) if isinstance(out, (list, tuple)) else out.sum()
+    )
     loss.backward()
-    grads = [t.grad.numpy() if t.grad is not None else None for t in (xa, xb, layer.weight, layer.bias)]
+    grads = [
+        t.grad.numpy() if t.grad is not None else None for t in (xa, xb, layer.weight, layer.bias)
+    ]
     return grads
 
 
 def _kwargs_case(layer, xa, xb, rc):
     def f(a, b=None, scale=1.0):  # (tanh saves its output: recomputed with the same scale)
         return paddle.tanh(layer(a) * scale) + (b if b is not None else 0)
+
     return rc(f, xa, b=xb, scale=2.0)
 
 
 def _tuple_case(layer, xa, xb, rc):
     def f(pair):
         return layer(pair[0]) + pair[1]
+
     return rc(f, (xa, xb))
 
 
 def _none_output_case(layer, xa, xb, rc):
     def f(a, b):
         return layer(a), None, b * 2
+
     return rc(f, xa, xb)
 
 
 def _no_grad_input_case(layer, xa, xb, rc):
     mask = paddle.ones([3, 6])  # needs no grad
+
     def f(a, m):
         return layer(a) * m
+
     return rc(f, xa, mask)
 
 
 def _nested_case(layer, xa, xb, rc):
     def inner(a):
         return paddle.tanh(layer(a))
+
     def outer(a, b):
         return rc(inner, a) * b
+
     return rc(outer, xa, xb)
 
 
 # Cases where unpatched Paddle silently returns wrong gradients (no exception).
-NATIVE_WRONG = {True: {("tuple", True)},  # 2.6: first tensor of a tuple argument loses its grad
-                False: set()}
+NATIVE_WRONG = {
+    True: {("tuple", True)},  # 2.6: first tensor of a tuple argument loses its grad
+    False: set(),
+}
 
-CASES = {"kwargs": _kwargs_case, "tuple": _tuple_case, "none_output": _none_output_case,
-         "no_grad_input": _no_grad_input_case, "nested": _nested_case}
+CASES = {
+    "kwargs": _kwargs_case,
+    "tuple": _tuple_case,
+    "none_output": _none_output_case,
+    "no_grad_input": _no_grad_input_case,
+    "nested": _nested_case,
+}
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity_with_plain_autograd(case, use_reentrant):
     """Ours equals no recompute; Paddle's own is recorded for comparison."""
-    ref = _grads_of(lambda layer, a, b, rc: CASES[case](layer, a, b, lambda f, *x, **k: f(*x, **k)),
-                    "ours", use_reentrant)
+    ref = _grads_of(
+        lambda layer, a, b, rc: CASES[case](layer, a, b, lambda f, *x, **k: f(*x, **k)),
+        "ours",
+        use_reentrant,
+    )
     got = _grads_of(CASES[case], "ours", use_reentrant)
     for r, g in zip(ref, got):
         if r is None:
@@ -641,7 +684,8 @@ def test_parity_with_plain_autograd(case, use_reentrant):
         return  # Paddle fails this case; we do not
     agree = all(
         (n is None) == (g is None) and (n is None or np.allclose(n, g, rtol=1e-6, atol=1e-6))
-        for n, g in zip(native, got))
+        for n, g in zip(native, got)
+    )
     if (case, use_reentrant) in NATIVE_WRONG.get(PADDLE2, ()):
         assert not agree, "Paddle fixed this case: update NATIVE_WRONG"
     else:
@@ -698,8 +742,9 @@ def test_reentrant_offload_indices_same_grads():
     for kwargs in ({}, {"offload_indices": [0]}):
         xt = x.detach()
         xt.stop_gradient = False
-        paddle_mgrad.recompute(lambda a: paddle.tanh(lin(a)), xt, use_reentrant=True,
-                               **kwargs).sum().backward()
+        paddle_mgrad.recompute(
+            lambda a: paddle.tanh(lin(a)), xt, use_reentrant=True, **kwargs
+        ).sum().backward()
         grads.append((xt.grad.numpy(), lin.weight.grad.numpy().copy()))
         lin.clear_gradients()
     for a, b in zip(*grads):
@@ -718,8 +763,9 @@ def test_reentrant_keyword_only_arguments():
     x.stop_gradient = False
     y = paddle_mgrad.recompute(f, x, scale=3.0, use_reentrant=True)  # non-tensor kw-only: fine
     y.sum().backward()
-    np.testing.assert_allclose(x.grad.numpy(), 3 * lin.weight.numpy().sum(1)[None].repeat(2, 0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        x.grad.numpy(), 3 * lin.weight.numpy().sum(1)[None].repeat(2, 0), rtol=1e-5, atol=1e-6
+    )
     b = paddle.randn([4])
     b.stop_gradient = False
     with pytest.raises(ValueError, match="bias"):  # a kw-only tensor needing grad cannot be routed
@@ -739,9 +785,13 @@ def test_second_backward_through_reentrant_recompute_is_an_error_not_a_crash():
     r = run_probe_script("reentrant_twice_probe.py", "ours")
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])  # < 0: killed by a signal
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
-    assert set(res) == {"retain_then_backward", "backward_twice", "multi_output",
-                        "retain_then_grad"}
+    res = json.loads(line[len("RESULT ") :])
+    assert set(res) == {
+        "retain_then_backward",
+        "backward_twice",
+        "multi_output",
+        "retain_then_grad",
+    }
     for mode, out in res.items():
         assert out["first_ok"] and out["fresh_ok"] and out["grad_enabled_after"], (mode, out)
         assert out["error"] == "RecomputeError", (mode, out)
@@ -785,8 +835,7 @@ def _frozen_input_run(mode, impl, mix, fused, micro=2, frozen=()):
     got = {}
     for name, p in m.named_parameters():
         mg = getattr(p, "main_grad", None)
-        got[name] = (None if p.grad is None else p.grad.numpy(),
-                     None if mg is None else mg.numpy())
+        got[name] = (None if p.grad is None else p.grad.numpy(), None if mg is None else mg.numpy())
     paddle_mgrad.disable()
     return outs, got
 
@@ -795,7 +844,9 @@ def _assert_same_grads(got, ref):
     assert got.keys() == ref.keys()
     for name in ref:
         for kind, g, r in zip((".grad", "main_grad"), got[name], ref[name]):
-            assert (g is None) == (r is None), f"{name}{kind}: {g is None=} vs reference {r is None=}"
+            assert (g is None) == (r is None), (
+                f"{name}{kind}: {g is None=} vs reference {r is None=}"
+            )
             if r is not None:
                 np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"{name}{kind}")
 
@@ -837,8 +888,9 @@ def test_block_with_nothing_to_train_runs_without_error_or_recomputation(use_ree
     frozen = ("0.weight", "0.bias", "2.weight", "2.bias")
     stats.reset()
     for fused in (False, True):
-        outs, got = _frozen_input_run("reentrant" if use_reentrant else "non_reentrant",
-                                      "ours", True, fused, frozen=frozen)
+        outs, got = _frozen_input_run(
+            "reentrant" if use_reentrant else "non_reentrant", "ours", True, fused, frozen=frozen
+        )
         ref_outs, _ = _frozen_input_run("none", "ours", True, fused, frozen=frozen)
         assert all(g == (None, None) for g in got.values())
         for (sg, y), (rsg, ry) in zip(outs, ref_outs):
@@ -874,6 +926,7 @@ def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
     """A reentrant block returning its own non-leaf input beside a (fused) linear's output:
     handed to Paddle 2.6.2's PyLayer as it is, backward fails with "SystemError: (Fatal)
     Unable to find next node in the GradTensorHolder"."""
+
     def run(recomputed):
         paddle_mgrad.disable()
         paddle_mgrad.enable(recompute=True, fused_linear=fused)
@@ -885,14 +938,18 @@ def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
         x.stop_gradient = False
         f = lambda h: (lin(h), h)  # noqa: E731
         h = x * 1.0
-        out, same = (paddle_mgrad.recompute(f, h, use_reentrant=True, preserve_rng_state=False)
-                     if recomputed else f(h))
+        out, same = (
+            paddle_mgrad.recompute(f, h, use_reentrant=True, preserve_rng_state=False)
+            if recomputed
+            else f(h)
+        )
         loss = out.sum() + (same * same).sum() if used == "both" else out.sum()
         loss.backward()
         gw = lin.weight.main_grad if mix else lin.weight.grad
         res = (x.grad.numpy(), gw.numpy(), out.numpy(), same.numpy())
         paddle_mgrad.disable()
         return res
+
     for g, r in zip(run(True), run(False)):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
@@ -901,14 +958,21 @@ def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
 def _ref_and_ours(build, use_reentrant=True):
     """``build(rc)`` -> (loss-able outputs, tensors whose grads to compare); no recompute vs ours."""
     res = []
-    for rc in (lambda f, *a, **k: f(*a, **k),
-               lambda f, *a, **k: paddle_mgrad.recompute(f, *a, use_reentrant=use_reentrant, **k)):
+    for rc in (
+        lambda f, *a, **k: f(*a, **k),
+        lambda f, *a, **k: paddle_mgrad.recompute(f, *a, use_reentrant=use_reentrant, **k),
+    ):
         paddle.seed(4)
         outs, watch = build(rc)
         loss = sum((o * (i + 1)).sum() for i, o in enumerate(outs) if not o.stop_gradient)
         loss.backward()
-        res.append(([o.numpy() for o in outs], [o.stop_gradient for o in outs],
-                     [None if t.grad is None else t.grad.numpy() for t in watch]))
+        res.append(
+            (
+                [o.numpy() for o in outs],
+                [o.stop_gradient for o in outs],
+                [None if t.grad is None else t.grad.numpy() for t in watch],
+            )
+        )
     return res
 
 
@@ -926,12 +990,14 @@ def test_block_returning_its_leaf_input_that_needs_grad(use_reentrant):
     """Reentrant: Paddle's PyLayer took the returned input for an in-place result and
     raised "Leaf Var ... that doesn't stop gradient can't use inplace strategy" (plain
     Paddle's reentrant recompute too); now the same as without recompute."""
+
     def build(rc):
         lin = paddle.nn.Linear(4, 4)
         x = paddle.randn([2, 4])
         x.stop_gradient = False
         out, same = rc(lambda h: (lin(h), h), x)
         return [out, same], [x, lin.weight]
+
     ref, got = _ref_and_ours(build, use_reentrant)
     _assert_equal_runs(ref, got)
 
@@ -948,6 +1014,7 @@ def test_plain_paddle_reentrant_refuses_to_return_a_leaf_input():
 def test_block_returning_an_input_that_needs_no_grad_keeps_it_stop_gradient(use_reentrant):
     """A mask passed through a reentrant block came back differentiable; it stays
     stop_gradient=True, as without recompute."""
+
     def build(rc):
         lin = paddle.nn.Linear(4, 4)
         x = paddle.randn([2, 4])
@@ -955,6 +1022,7 @@ def test_block_returning_an_input_that_needs_no_grad_keeps_it_stop_gradient(use_
         mask = paddle.ones([2, 4])
         out, m = rc(lambda h, k: (lin(h) * k, k), x, mask)
         return [out, m], [x, lin.weight]
+
     ref, got = _ref_and_ours(build, use_reentrant)
     rs, gs = _assert_equal_runs(ref, got)
     assert rs == gs == [False, True]
@@ -965,6 +1033,7 @@ def test_block_returning_an_input_that_needs_no_grad_keeps_it_stop_gradient(use_
 def test_block_returning_a_dict(use_reentrant, inputs_need_grad):
     """Reentrant: plain Paddle's PyLayer refuses a dict ("At least one output of
     `PyLayer.forward` is a `Tensor`"); ours returns the same dict as no recompute."""
+
     def build(rc):
         lin = paddle.nn.Linear(4, 4)
         x = paddle.randn([2, 4])
@@ -972,6 +1041,7 @@ def test_block_returning_a_dict(use_reentrant, inputs_need_grad):
         out = rc(lambda h: {"y": lin(h), "z": paddle.tanh(h) * 2.0}, x)
         assert isinstance(out, dict) and list(out) == ["y", "z"]
         return [out["y"], out["z"]], [x, lin.weight, lin.bias]
+
     ref, got = _ref_and_ours(build, use_reentrant)
     _assert_equal_runs(ref, got)
 
@@ -981,6 +1051,7 @@ def test_reentrant_block_output_made_under_no_grad():
     gradient, the output does not depend on it differentiably): backward raised
     RuntimeError "none of the recomputed outputs needs a gradient"; now, as without
     recompute, no gradient flows from it and the rest is right."""
+
     def build(rc):
         lin = paddle.nn.Linear(4, 4)
         x = paddle.randn([2, 4])
@@ -990,8 +1061,10 @@ def test_reentrant_block_output_made_under_no_grad():
             with paddle.no_grad():
                 c = lin(h)
             return c, lin(h)
+
         c, y = rc(f, x)
         return [c, y], [x, lin.weight]
+
     ref, got = _ref_and_ours(build, True)
     _assert_equal_runs(ref, got)
     # the no_grad output alone: a loss of it alone gives nothing (and no error)
@@ -1002,6 +1075,7 @@ def test_reentrant_block_output_made_under_no_grad():
     def g(h):
         with paddle.no_grad():
             return lin(h) * 1.0
+
     out = paddle_mgrad.recompute(g, x)
     if not out.stop_gradient:
         out.sum().backward()
@@ -1026,8 +1100,7 @@ def test_views_of_the_argument_and_of_activations(use_reentrant):
         x = paddle.to_tensor(data)
         x.stop_gradient = False
         h = x * 1.0
-        y = paddle_mgrad.recompute(block, h, use_reentrant=use_reentrant) if recompute \
-            else block(h)
+        y = paddle_mgrad.recompute(block, h, use_reentrant=use_reentrant) if recompute else block(h)
         (y * y).sum().backward()
         grads = x.grad.numpy(), w.grad.numpy()
         w.clear_gradient()

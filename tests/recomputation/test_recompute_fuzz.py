@@ -32,6 +32,7 @@ about a minute per Paddle version on 2 cores).  A long run: ``PADDLE_MGRAD_FUZZ_
 PADDLE_MGRAD_FUZZ_SEED=24`` (another sequence; command and result in docs/development.md).  A
 failure prints the drawn :class:`recompute_fuzz.Case`: paste it into a named regression test.
 """
+
 import collections
 import os
 import re
@@ -50,10 +51,24 @@ SEED = os.environ.get("PADDLE_MGRAD_FUZZ_SEED")
 EQUAL_FLOOR = 0.75
 
 #: a case that trains cleanly in both modes: the step after a case that raised
-CLEAN = Case(mode="non_reentrant", fused=True, preserve_rng=True, x0_source="pre", x1_grad=True,
-             pair_grad=None, ops=("lin_a", "ip_linear", "tanh"), out="tensor", tied=False,
-             mix="lin_a", frozen=((False,) * 7, (False,) * 7), nested_mode="reentrant",
-             scale=1.0, shift_kw=0.0, seed=5, in_place="mp_allreduce")
+CLEAN = Case(
+    mode="non_reentrant",
+    fused=True,
+    preserve_rng=True,
+    x0_source="pre",
+    x1_grad=True,
+    pair_grad=None,
+    ops=("lin_a", "ip_linear", "tanh"),
+    out="tensor",
+    tied=False,
+    mix="lin_a",
+    frozen=((False,) * 7, (False,) * 7),
+    nested_mode="reentrant",
+    scale=1.0,
+    shift_kw=0.0,
+    seed=5,
+    in_place="mp_allreduce",
+)
 _clean_refs: dict = {}
 
 
@@ -80,7 +95,9 @@ def assert_clean_after_error(case):
     except Exception as e:
         raise AssertionError(f"after {case} raised, a clean training raised too: {e!r}") from e
     problems = differences(got, _clean_refs[mode])
-    assert not problems, f"after {case} raised, a clean training differs: " + "; ".join(problems[:8])
+    assert not problems, f"after {case} raised, a clean training differs: " + "; ".join(
+        problems[:8]
+    )
 
 
 def check_case(case):
@@ -97,8 +114,12 @@ def check_case(case):
         if expects_value_check(case):
             return "value_check"
         # (a policy runs reentrant calls non-reentrant: the block's activations are kept)
-        if (case.mode == "reentrant" and case.policy == "full" and case.changes_input
-                and "changed its tensor argument #" in str(e)):
+        if (
+            case.mode == "reentrant"
+            and case.policy == "full"
+            and case.changes_input
+            and "changed its tensor argument #" in str(e)
+        ):
             return "refused_input_change"
         raise
     except Exception as e:
@@ -108,8 +129,10 @@ def check_case(case):
         except Exception as native:
             if _gist(native) == _gist(e):
                 return "raises_as_paddle"
-            raise AssertionError(f"{case}: ours raised {e!r}; Paddle's own recompute raises "
-                                 f"something else: {native!r}") from e
+            raise AssertionError(
+                f"{case}: ours raised {e!r}; Paddle's own recompute raises "
+                f"something else: {native!r}"
+            ) from e
         raise AssertionError(f"{case}: ours raised {e!r}; Paddle's own recompute does not") from e
     assert paddle.is_grad_enabled(), f"{case}: grad mode left off"
     problems = differences(got, ref)
@@ -117,14 +140,19 @@ def check_case(case):
     return "equal"
 
 
-def fuzz(examples, derandomize=True, seed_value=None, report_multiple_bugs=True,
-         policies=POLICIES):
+def fuzz(examples, derandomize=True, seed_value=None, report_multiple_bugs=True, policies=POLICIES):
     """Run the oracle on ``examples`` drawn cases (under one of ``policies``); returns the
     outcome counts by mode."""
     outcomes = collections.Counter()
 
-    @settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=report_multiple_bugs)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=derandomize,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=report_multiple_bugs,
+    )
     @given(case=cases(policies))
     def run(case):
         outcome = check_case(case)
@@ -181,10 +209,23 @@ def test_the_oracle_sees_a_lost_gradient(monkeypatch):
     no argument needs a gradient."""
     from paddle_mgrad.recomputation import reentrant
 
-    case = Case(mode="reentrant", fused=True, preserve_rng=True, x0_source="data", x1_grad=None,
-                pair_grad=None, ops=("lin_a", "tanh"), out="tensor", tied=False, mix="all",
-                frozen=((False,) * 6 + (True,),) * 2, nested_mode="reentrant", scale=1.0,
-                shift_kw=0.0, seed=0)
+    case = Case(
+        mode="reentrant",
+        fused=True,
+        preserve_rng=True,
+        x0_source="data",
+        x1_grad=None,
+        pair_grad=None,
+        ops=("lin_a", "tanh"),
+        out="tensor",
+        tied=False,
+        mix="all",
+        frozen=((False,) * 6 + (True,),) * 2,
+        nested_mode="reentrant",
+        scale=1.0,
+        shift_kw=0.0,
+        seed=0,
+    )
     assert check_case(case) == "equal"
     monkeypatch.setattr(reentrant, "any_needs_grad", lambda obj: True)
     with pytest.raises(AssertionError, match="lin_a.weight.main_grad"):
@@ -210,5 +251,4 @@ def test_the_fuzzer_finds_a_kept_sublayer_output_changed_in_place(monkeypatch):
 
     monkeypatch.setattr(saved_sublayers._Region, "unchanged", lambda self: True)
     with pytest.raises(AssertionError, match=r"policy=.save:.*max abs diff"):
-        fuzz(min(EXAMPLES, 300), report_multiple_bugs=False,
-             policies=("save:lin_a", "save:Linear"))
+        fuzz(min(EXAMPLES, 300), report_multiple_bugs=False, policies=("save:lin_a", "save:Linear"))

@@ -1,5 +1,6 @@
 """fleet's recompute_hybrid with paddle_mgrad on: single-process tests (a 1-rank or fake
 2-rank mp group).  The 2-rank pipeline run with recompute_interval is tests/fleet/launch."""
+
 import importlib
 
 import numpy as np
@@ -65,8 +66,9 @@ def _train(use_hybrid, ctx=None, micro=2):
         y = hybrid(ctx or {"mp_group": Group()}, f, x, extra) if use_hybrid else f(x, extra)
         y.sum().backward()
         ptrs.append(blk.fc1.weight.main_grad.data_ptr())
-    grads = {p.name.split("_")[0] + str(i): p.main_grad.numpy()
-             for i, p in enumerate(model.parameters())}
+    grads = {
+        p.name.split("_")[0] + str(i): p.main_grad.numpy() for i, p in enumerate(model.parameters())
+    }
     grads["extra"] = extra.main_grad.numpy()
     return grads, ptrs, [blk.fc1.weight.grad, blk.fc2.weight.grad, extra.grad], extra
 
@@ -196,7 +198,9 @@ def test_tuple_outputs_as_fleet():
     def f(a, m, i):
         return lin(a) * m, m, i * 2  # PyLayer marks every output differentiable
 
-    weights = paddle.to_tensor(np.random.RandomState(4).standard_normal([2, 3, 8]).astype("float32"))
+    weights = paddle.to_tensor(
+        np.random.RandomState(4).standard_normal([2, 3, 8]).astype("float32")
+    )
     x = _x()
     h, m, i = hybrid({"mp_group": Group()}, f, x, mask, ids)
     assert not h.stop_gradient and i.stop_gradient
@@ -221,6 +225,7 @@ def test_inputs_needing_no_grad_still_train_the_block(fused):
     """Frozen inputs for recompute_hybrid (a first pipeline stage behind frozen embeddings): no
     argument needs a gradient, the block's parameters get exactly the gradients of no
     recompute, and a block with nothing to train stays untouched and unrecomputed."""
+
     def run(use_hybrid, freeze_all=False):
         paddle_mgrad.disable()
         paddle_mgrad.enable(recompute=True, fused_linear=fused)

@@ -11,6 +11,7 @@ Paddle's in-place check), random masks replay exactly across threads, the hook s
 found, Paddle 2.6's leak of what a pack hook returns does not keep recompute inputs alive, and
 crash probes in a subprocess.
 """
+
 import gc
 import os
 import subprocess
@@ -83,9 +84,11 @@ def _run_threads(work):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("use_reentrant,preserve_rng_state",
-                         [(False, True), (False, False), (True, True)],
-                         ids=["non_reentrant", "non_reentrant-no_rng", "reentrant"])
+@pytest.mark.parametrize(
+    "use_reentrant,preserve_rng_state",
+    [(False, True), (False, False), (True, True)],
+    ids=["non_reentrant", "non_reentrant-no_rng", "reentrant"],
+)
 def test_four_threads_each_iteration_equals_single_threaded(use_reentrant, preserve_rng_state):
     data = _data()
     ref = []
@@ -102,8 +105,13 @@ def test_four_threads_each_iteration_equals_single_threaded(use_reentrant, prese
         start.wait()
         for i, x in enumerate(data):
             try:
-                results[k][i] = _step(blk, model, x, use_reentrant=use_reentrant,
-                                      preserve_rng_state=preserve_rng_state)
+                results[k][i] = _step(
+                    blk,
+                    model,
+                    x,
+                    use_reentrant=use_reentrant,
+                    preserve_rng_state=preserve_rng_state,
+                )
             except Exception as e:  # noqa: BLE001 - counted below
                 results[k][i] = e
 
@@ -158,8 +166,12 @@ def test_dropout_replays_the_same_masks_in_threads():
     _run_threads(work)
     flat = [r for rows in results for r in rows]
     refused = [r for r in flat if isinstance(r, RecomputeError) and PADDLE2_REFUSAL in str(r)]
-    bad = [r for r in flat if not any(r is q for q in refused)
-           and (isinstance(r, Exception) or any(g is None for g in r))]
+    bad = [
+        r
+        for r in flat
+        if not any(r is q for q in refused)
+        and (isinstance(r, Exception) or any(g is None for g in r))
+    ]
     assert not bad, f"{len(bad)}/200 iterations replayed other masks or lost main_grad: {bad[:2]}"
     assert len(refused) == ((N_THREADS - 1) * N_ITERS if PADDLE2 else 0)
 
@@ -249,8 +261,9 @@ def test_recompute_inputs_die_with_the_graph():
             del y, x
             gc.collect()
             alive = [h for h in holders if h() is not None]
-            assert not alive, f"{len(alive)}/{len(holders)} holders outlived the graph " \
-                              f"(backward={backward})"
+            assert not alive, (
+                f"{len(alive)}/{len(holders)} holders outlived the graph (backward={backward})"
+            )
     finally:
         non_reentrant._Frame.__init__ = orig
 
@@ -261,11 +274,19 @@ def _probe(code, timeout=120):
     if os.environ.get("PADDLE_MGRAD_CACHE"):
         env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
     try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                              capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            cwd=ROOT,
+        )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the probe did not exit within {timeout} s (hung at exit?): "
-                    f"{(e.stdout or b'')[-500:]!r}")
+        pytest.fail(
+            f"the probe did not exit within {timeout} s (hung at exit?): "
+            f"{(e.stdout or b'')[-500:]!r}"
+        )
 
 
 def test_crash_probe_recompute_beside_plain_autograd_threads():
@@ -374,7 +395,9 @@ def test_another_autograd_thread_seen_during_recompute():
             np.testing.assert_allclose(x.grad.numpy(), 1 - np.tanh(x.numpy()) ** 2, rtol=1e-6)
         for _ in range(3):
             if PADDLE2:
-                with pytest.raises(RecomputeError, match="thread 'autograd-b' also records autograd"):
+                with pytest.raises(
+                    RecomputeError, match="thread 'autograd-b' also records autograd"
+                ):
                     one_recompute()
             else:
                 one_recompute()

@@ -7,6 +7,7 @@ what ``recomputation/rng.py`` does with them: capture in forward, the forward's
 state applied during recomputation, the caller's current state put back after,
 in that order.  (The CPU generator, numpy and Python ``random`` are real.)
 """
+
 import numpy as np
 import paddle
 import pytest
@@ -75,8 +76,9 @@ def fake(monkeypatch, request):
     else:
         monkeypatch.setattr(paddle, "get_rng_state", f.get_state)
         monkeypatch.setattr(paddle, "set_rng_state", f.set_state)
-    monkeypatch.setattr(paddle.device, "get_all_custom_device_type",
-                        lambda: ["npu"] if kind == "custom" else [])
+    monkeypatch.setattr(
+        paddle.device, "get_all_custom_device_type", lambda: ["npu"] if kind == "custom" else []
+    )
     monkeypatch.setattr(rng, "_tracker", lambda: tracker)
     f.tracker = tracker
     return f
@@ -112,7 +114,11 @@ def test_capture_restored_replays_then_puts_back(fake):
         f.draw()  # the recomputation draws too
     # order: read the current state, apply the snapshot, put the current one back
     assert f.log == [_get(f), _set(f, captured), _set(f, current)]
-    assert tr.log == [("get",), ("set", {"model_parallel_rng": 7}), ("set", {"model_parallel_rng": 9})]
+    assert tr.log == [
+        ("get",),
+        ("set", {"model_parallel_rng": 7}),
+        ("set", {"model_parallel_rng": 9}),
+    ]
     assert f.state == current and tr.states == {"model_parallel_rng": 9}
 
 
@@ -154,8 +160,9 @@ def test_recompute_replays_device_state_in_backward(fake, use_reentrant):
 def test_no_capture_without_preserve_rng_state(fake):
     x = paddle.randn([4])
     x.stop_gradient = False
-    paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False,
-                           preserve_rng_state=False).sum().backward()
+    paddle_mgrad.recompute(
+        paddle.tanh, x, use_reentrant=False, preserve_rng_state=False
+    ).sum().backward()
     assert fake.log == [] and fake.tracker.log == []
 
 
@@ -171,9 +178,17 @@ def test_cpu_when_custom_device_list_is_none(monkeypatch):
     assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("name,args", [
-    ("get_cuda_rng_state", ()), ("set_cuda_rng_state", ([],)), ("get_rng_state", ()),
-    ("get_rng_state", ("npu:0",)), ("set_rng_state", ([],)), ("set_rng_state", ([], "npu:0"))])
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("get_cuda_rng_state", ()),
+        ("set_cuda_rng_state", ([],)),
+        ("get_rng_state", ()),
+        ("get_rng_state", ("npu:0",)),
+        ("set_rng_state", ([],)),
+        ("set_rng_state", ([], "npu:0")),
+    ],
+)
 def test_fakes_are_called_as_paddles_real_functions_accept(name, args):
     """The calls rng.py makes (and the fakes above receive) bind to the real signatures."""
     import inspect

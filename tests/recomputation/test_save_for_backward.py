@@ -9,6 +9,7 @@ first non-reentrant recompute) keeps non-tensor objects on the context and hands
 from ``saved_tensor()`` unchanged, on both versions, in every mode; tensors keep their
 guarantees (a parameter comes back as the very object, with ``main_grad``).
 """
+
 import numpy as np
 import paddle
 import pytest
@@ -32,8 +33,18 @@ def _run(mode, fn, *args):
 # ------------------------------------------------------------------ any objects
 def _objects(x, w):
     """What the PyLayer saves: tensors and Python objects, nested."""
-    return (x, True, 3, 2.5, None, "name", w, (1, (None, "a"), (x, False)), [x, 7],
-            {"scale": 0.5, "t": x})
+    return (
+        x,
+        True,
+        3,
+        2.5,
+        None,
+        "name",
+        w,
+        (1, (None, "a"), (x, False)),
+        [x, 7],
+        {"scale": 0.5, "t": x},
+    )
 
 
 class _SavesObjects(PyLayer):
@@ -61,8 +72,7 @@ def _same(a, b, w):
     if isinstance(b, paddle.Tensor):
         return isinstance(a, paddle.Tensor) and np.array_equal(a.numpy(), b.numpy())
     if type(b) in (tuple, list):
-        return type(a) is type(b) and len(a) == len(b) and all(
-            _same(x, y, w) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, w) for x, y in zip(a, b))
     if type(b) is dict:
         return type(a) is dict and a.keys() == b.keys() and all(_same(a[k], b[k], w) for k in b)
     return type(a) is type(b) and a == b if b is not None else a is None
@@ -94,6 +104,7 @@ def test_saved_objects_come_back_unchanged(mode):
 def test_paddle_alone_refuses_them_under_hooks(obj):
     """Plain Paddle (both versions; paddle_mgrad off) under its own non-reentrant recompute:
     the ValueError the PaddleFormers user met.  Asserted so that a Paddle fix shows."""
+
     class P(PyLayer):
         @staticmethod
         def forward(ctx, x):
@@ -108,8 +119,9 @@ def test_paddle_alone_refuses_them_under_hooks(obj):
     x.stop_gradient = False
     assert not registry.is_installed("PyLayerContext.save_for_backward")
     with pytest.raises(ValueError, match=PADDLE_REFUSES):
-        native_recompute(lambda t: P.apply(t * 1.0), x, use_reentrant=False,
-                         preserve_rng_state=False)
+        native_recompute(
+            lambda t: P.apply(t * 1.0), x, use_reentrant=False, preserve_rng_state=False
+        )
 
 
 def test_installed_by_enable_with_either_feature_and_removed_by_disable():
@@ -201,11 +213,13 @@ class LMHeadFunction(PyLayer):
         x2 = x.reshape([-1, x.shape[-1]])
         with paddle.amp.auto_cast(False):
             if transpose_y:
-                paddle._C_ops.fused_linear_param_grad_add(d2, x2, weight.main_grad, None,
-                                                          True, False)
+                paddle._C_ops.fused_linear_param_grad_add(
+                    d2, x2, weight.main_grad, None, True, False
+                )
             else:
-                paddle._C_ops.fused_linear_param_grad_add(x2, d2, weight.main_grad, None,
-                                                          True, False)
+                paddle._C_ops.fused_linear_param_grad_add(
+                    x2, d2, weight.main_grad, None, True, False
+                )
         return dx, None
 
 
@@ -275,8 +289,12 @@ def test_lm_head_function_fails_in_plain_paddle_under_recompute():
     weight = paddle.create_parameter([V, H], "float32")
     x = paddle.to_tensor(data[0])
     with pytest.raises(ValueError, match=PADDLE_REFUSES):
-        native_recompute(lambda t: LMHeadFunction.apply(t * 1.0, weight, True), x,
-                         use_reentrant=False, preserve_rng_state=False)
+        native_recompute(
+            lambda t: LMHeadFunction.apply(t * 1.0, weight, True),
+            x,
+            use_reentrant=False,
+            preserve_rng_state=False,
+        )
 
 
 # ------------------------------------------------------------------ a list of tensors

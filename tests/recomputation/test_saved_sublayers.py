@@ -6,6 +6,7 @@ after a kept sublayer (the random state jumps over it), in-place ops on a kept s
 or on its input (each kind of :data:`in_place_ops.IN_PLACE`), in both modes, over two
 micro-steps (``main_grad`` None, then accumulated) -- and the recomputation must not run a kept
 sublayer."""
+
 import functools
 import threading
 import warnings
@@ -31,17 +32,32 @@ PADDLE2_REFUSAL = "On Paddle 2.6 non-reentrant recompute needs saved-tensor hook
 def train(how, policy=None, after=None, inside=None, micro=2, call=custom_forward):
     """``micro`` micro-steps of a :class:`Decoder` with recompute ``how`` ("none" or a mode)
     under ``policy`` (:func:`policy_runs.train`); ``call(net)`` is what recompute runs."""
-    return policy_runs.train(lambda: Decoder(IN_PLACE.get(after), IN_PLACE.get(inside)), how,
-                             policy, micro, block=call, rows=ROWS, d=D)
+    return policy_runs.train(
+        lambda: Decoder(IN_PLACE.get(after), IN_PLACE.get(inside)),
+        how,
+        policy,
+        micro,
+        block=call,
+        rows=ROWS,
+        d=D,
+    )
 
 
 def no_wrapper_left(net):
-    return [name for name, layer in [("", net), *net.named_sublayers()]
-            if "forward" in layer.__dict__]
+    return [
+        name for name, layer in [("", net), *net.named_sublayers()] if "forward" in layer.__dict__
+    ]
 
 
-POLICIES = ("save:*MLP", "save:self_attn", "save:mlp,self_attn", "save:self_attn.q_proj",
-            "save:*Norm", "save:Decoder", "save:nothing_matches")
+POLICIES = (
+    "save:*MLP",
+    "save:self_attn",
+    "save:mlp,self_attn",
+    "save:self_attn.q_proj",
+    "save:*Norm",
+    "save:Decoder",
+    "save:nothing_matches",
+)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -83,17 +99,49 @@ class _Counting:
         self.names = {id(layer): name for name, layer in net.named_sublayers()}
 
 
-@pytest.mark.parametrize("policy, replayed, kept", [
-    ("full", ["input_layernorm", "self_attn", "self_attn.q_proj", "self_attn.k_proj",
-              "self_attn.dropout", "self_attn.o_proj", "dropout", "post_attention_layernorm",
-              "mlp", "mlp.gate", "mlp.up", "mlp.down"], None),
-    ("save:mlp", ["input_layernorm", "self_attn", "self_attn.q_proj", "self_attn.k_proj",
-                  "self_attn.dropout", "self_attn.o_proj", "dropout",
-                  "post_attention_layernorm"], ["mlp"]),
-    ("save:self_attn,*Norm", ["dropout", "mlp", "mlp.gate", "mlp.up", "mlp.down"],
-     ["input_layernorm", "self_attn", "post_attention_layernorm"]),
-    ("save:Decoder", [], [""]),  # the block's own Layer: never recomputed
-])
+@pytest.mark.parametrize(
+    "policy, replayed, kept",
+    [
+        (
+            "full",
+            [
+                "input_layernorm",
+                "self_attn",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.dropout",
+                "self_attn.o_proj",
+                "dropout",
+                "post_attention_layernorm",
+                "mlp",
+                "mlp.gate",
+                "mlp.up",
+                "mlp.down",
+            ],
+            None,
+        ),
+        (
+            "save:mlp",
+            [
+                "input_layernorm",
+                "self_attn",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.dropout",
+                "self_attn.o_proj",
+                "dropout",
+                "post_attention_layernorm",
+            ],
+            ["mlp"],
+        ),
+        (
+            "save:self_attn,*Norm",
+            ["dropout", "mlp", "mlp.gate", "mlp.up", "mlp.down"],
+            ["input_layernorm", "self_attn", "post_attention_layernorm"],
+        ),
+        ("save:Decoder", [], [""]),  # the block's own Layer: never recomputed
+    ],
+)
 def test_what_the_recomputation_runs(monkeypatch, policy, replayed, kept):
     stats.reset()
     paddle_mgrad.enable(recompute=True, fused_linear=True)
@@ -103,8 +151,7 @@ def test_what_the_recomputation_runs(monkeypatch, policy, replayed, kept):
         counting = _Counting(monkeypatch, net)
         h = paddle.randn([ROWS, D])
         h.stop_gradient = False
-        out = paddle_mgrad.recompute(custom_forward(net), h, use_reentrant=False,
-                                     policy=policy)
+        out = paddle_mgrad.recompute(custom_forward(net), h, use_reentrant=False, policy=policy)
         counting.calls.clear()  # (the forward's own calls)
         out.sum().backward()
     finally:
@@ -133,8 +180,7 @@ def test_kept_bytes_are_the_saved_tensors_and_outputs_of_the_kept_sublayer():
         net = Decoder()
         h = paddle.randn([ROWS, D])
         h.stop_gradient = False
-        paddle_mgrad.recompute(net, h, use_reentrant=False,
-                               policy="save:mlp.down").sum().backward()
+        paddle_mgrad.recompute(net, h, use_reentrant=False, policy="save:mlp.down").sum().backward()
     finally:
         paddle_mgrad.disable()
     counters = stats.snapshot()["policy"]["save:mlp.down"]
@@ -159,8 +205,7 @@ def test_kept_bytes_of_a_sublayer_that_saves_several_tensors():
     assert stats.snapshot()["policy"]["save:mlp"]["kept_bytes"] == 4 * ROWS * (3 * D + 5 * F)
 
 
-@pytest.mark.parametrize("how", ["layer", "bound_method", "closure", "partial", "argument",
-                                 "list"])
+@pytest.mark.parametrize("how", ["layer", "bound_method", "closure", "partial", "argument", "list"])
 def test_the_blocks_layer_is_found_however_the_block_is_passed(monkeypatch, how):
     paddle.seed(11)
     net = Decoder()
@@ -183,8 +228,7 @@ def test_the_blocks_layer_is_found_however_the_block_is_passed(monkeypatch, how)
         h.stop_gradient = False
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a block whose Layer is not found warns
-            out = paddle_mgrad.recompute(function, *args, h, use_reentrant=False,
-                                         policy="save:mlp")
+            out = paddle_mgrad.recompute(function, *args, h, use_reentrant=False, policy="save:mlp")
         out.sum().backward()
     finally:
         paddle_mgrad.disable()
@@ -220,8 +264,11 @@ def test_patterns_match_class_names_and_paths_outermost_first():
     assert names("*proj") == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj"]
     assert names("Decoder", "mlp") == [""]  # the whole block
     assert names("*") == [""]
-    with pytest.warns(RuntimeWarning, match=r"save:nope matches no sublayer of the block "
-                                            r"Decoder: it is recomputed whole"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"save:nope matches no sublayer of the block "
+        r"Decoder: it is recomputed whole",
+    ):
         assert names("nope") == []
     with pytest.warns(RuntimeWarning, match=r"save:decoder matches no sublayer"):
         assert names("decoder") == []  # (the block's own Layer matches by class name only)
@@ -256,15 +303,20 @@ def test_a_saved_tensor_changed_after_the_forward_raises_as_without_recompute():
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
         for mode in MODES:
-            out = paddle_mgrad.recompute(net, h, use_reentrant=mode == "reentrant",
-                                         policy="save:act")
-            with pytest.raises(RecomputeError, match=(
+            out = paddle_mgrad.recompute(
+                net, h, use_reentrant=mode == "reentrant", policy="save:act"
+            )
+            with pytest.raises(
+                RecomputeError,
+                match=(
                     r"^recompute\(Block\): saved tensor #\d+ Tensor\(name='[^']*', "
                     rf"shape=\[{ROWS}, {D}\], dtype=paddle.float32\), kept from the forward by "
                     r"the recompute policy 'save:act', has been modified by an inplace "
                     r"operation after the forward saved it: its inplace version is 1, the "
                     r"forward saved version 0; its gradient would be wrong \(without recompute "
-                    r"Paddle refuses this too\)\. Compute that change out of place\.$")):
+                    r"Paddle refuses this too\)\. Compute that change out of place\.$"
+                ),
+            ):
                 out.sum().backward()
             assert paddle.is_grad_enabled()
             # and the next step is clean: without the in-place change it trains
@@ -323,8 +375,9 @@ def test_backward_twice_and_paddle_grad(monkeypatch, mode):
         paddle.seed(11)
         net = Decoder()
         counting = _Counting(monkeypatch, net)
-        out = paddle_mgrad.recompute(custom_forward(net), x * 1.0,
-                                     use_reentrant=mode == "reentrant", policy="save:self_attn")
+        out = paddle_mgrad.recompute(
+            custom_forward(net), x * 1.0, use_reentrant=mode == "reentrant", policy="save:self_attn"
+        )
         counting.calls.clear()
         (g1,) = paddle.grad([out.sum()], [x], retain_graph=True)
         (g2,) = paddle.grad([out.sum()], [x], retain_graph=True)
@@ -358,8 +411,9 @@ def test_the_environment_reaches_paddles_own_recompute(monkeypatch):
         for use_reentrant in (False, True):
             h = paddle.randn([ROWS, D])
             h.stop_gradient = False
-            paddles_recompute(custom_forward(net), h * 1.0,
-                              use_reentrant=use_reentrant).sum().backward()
+            paddles_recompute(
+                custom_forward(net), h * 1.0, use_reentrant=use_reentrant
+            ).sum().backward()
     finally:
         paddle_mgrad.disable()
     counters = stats.snapshot()["policy"]["save:*MLP,self_attn"]
@@ -368,8 +422,11 @@ def test_the_environment_reaches_paddles_own_recompute(monkeypatch):
 
 def test_bad_save_policies_are_named(monkeypatch):
     for bad in ("save:", "save: ,mlp", "save:mlp,"):
-        with pytest.raises(ValueError, match=r"save: takes one or more comma-separated "
-                                             r"patterns"):
+        with pytest.raises(
+            ValueError,
+            match=r"save: takes one or more comma-separated "
+            r"patterns",
+        ):
             policy_mod.resolve(bad)
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "save:")
     with pytest.raises(EnvError, match=r"PADDLE_MGRAD_RECOMPUTE_POLICY='save:'.*save:<pattern>"):
@@ -399,8 +456,9 @@ def test_determinism_check_covers_what_is_recomputed():
     try:
         h = paddle.randn([ROWS, D])
         h.stop_gradient = False
-        out = paddle_mgrad.recompute(net, h, use_reentrant=False, policy="save:mlp",
-                                     determinism_check="values")
+        out = paddle_mgrad.recompute(
+            net, h, use_reentrant=False, policy="save:mlp", determinism_check="values"
+        )
         state["bias"] = 1.0
         with pytest.raises(RecomputeError, match="different values"):
             out.sum().backward()
@@ -433,8 +491,9 @@ def test_threads_share_a_model_under_a_save_policy():
                     for _ in range(3):
                         h = paddle.to_tensor(inputs[i].numpy())
                         h.stop_gradient = False
-                        out = paddle_mgrad.recompute(custom_forward(net), h, use_reentrant=False,
-                                                     policy="save:mlp")
+                        out = paddle_mgrad.recompute(
+                            custom_forward(net), h, use_reentrant=False, policy="save:mlp"
+                        )
                         (out * 3).sum().backward()
                         got.setdefault(i, []).append(h.grad.numpy())
             except BaseException as e:  # reported below
@@ -449,8 +508,9 @@ def test_threads_share_a_model_under_a_save_policy():
         paddle_mgrad.disable()
     # (Paddle 2.6's saved-tensor hooks are process-wide: a second thread's non-reentrant
     # recompute is refused there, test_recompute_threads.py; what ran must be right)
-    assert all(PADDLE2 and isinstance(e, RecomputeError) and PADDLE2_REFUSAL in str(e)
-               for e in errors), errors
+    assert all(
+        PADDLE2 and isinstance(e, RecomputeError) and PADDLE2_REFUSAL in str(e) for e in errors
+    ), errors
     assert got
     for i, grads in got.items():
         for g in grads:
@@ -469,8 +529,9 @@ def test_nested_blocks_keep_the_same_sublayer():
             self.inner = Decoder()
 
         def forward(self, h):
-            h = paddle_mgrad.recompute(custom_forward(self.inner), h, use_reentrant=False,
-                                       policy="save:*MLP")
+            h = paddle_mgrad.recompute(
+                custom_forward(self.inner), h, use_reentrant=False, policy="save:*MLP"
+            )
             return self.inner.mlp(h)
 
     x = paddle.randn([ROWS, D])
@@ -481,8 +542,9 @@ def test_nested_blocks_keep_the_same_sublayer():
         net = Outer()
         h = paddle.to_tensor(x.numpy())
         h.stop_gradient = False
-        out = paddle_mgrad.recompute(custom_forward(net), h * 1.0, use_reentrant=False,
-                                     policy="save:*MLP")
+        out = paddle_mgrad.recompute(
+            custom_forward(net), h * 1.0, use_reentrant=False, policy="save:*MLP"
+        )
         out.sum().backward()
         counters = stats.snapshot()["policy"]["save:*MLP"]
         paddle.seed(11)  # the same model without recompute (the same fused linear)
@@ -540,8 +602,9 @@ def test_a_kept_sublayer_calls_another_kept_one():
         x = paddle.randn([ROWS, D])
         h = paddle.to_tensor(x.numpy())
         h.stop_gradient = False
-        paddle_mgrad.recompute(net, h, use_reentrant=False,
-                               policy="save:attn,rope").sum().backward()
+        paddle_mgrad.recompute(
+            net, h, use_reentrant=False, policy="save:attn,rope"
+        ).sum().backward()
         hp = paddle.to_tensor(x.numpy())
         hp.stop_gradient = False
         net(hp).sum().backward()
@@ -575,14 +638,16 @@ def test_a_sublayer_that_changes_its_input_is_replayed(mode, op):
         try:
             paddle.seed(11)
             net = Block()
-            h = paddle.to_tensor(np.random.RandomState(3).standard_normal([ROWS, D])
-                                 .astype("float32"))
+            h = paddle.to_tensor(
+                np.random.RandomState(3).standard_normal([ROWS, D]).astype("float32")
+            )
             h.stop_gradient = False
             if policy is None:
                 out = net(h)
             else:
-                out = paddle_mgrad.recompute(net, h, use_reentrant=mode == "reentrant",
-                                             policy=policy)
+                out = paddle_mgrad.recompute(
+                    net, h, use_reentrant=mode == "reentrant", policy=policy
+                )
             out.sum().backward()
             return [out.numpy(), h.grad.numpy()] + [p.grad.numpy() for p in net.parameters()]
         finally:

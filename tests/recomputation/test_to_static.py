@@ -10,6 +10,7 @@ non-reentrant and reentrant, SOT and ``full_graph=True``, 3 SGD steps; every con
 is compared with plain eager training without recompute (the same arithmetic) and with plain
 Paddle's to_static run where Paddle's runs.
 """
+
 import json
 import os
 import subprocess
@@ -114,11 +115,17 @@ def _run(impl, script):
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     if os.environ.get("PADDLE_MGRAD_CACHE"):
         env["PADDLE_MGRAD_CACHE"] = os.environ["PADDLE_MGRAD_CACHE"]
-    r = subprocess.run([sys.executable, str(script), impl],
-                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(script), impl],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-3000:]}"
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ The library is the framework-free core with both C ABIs: the op library's (``wgr
 and the test-only one (``wgrad_capi_testing.cc``: fake GPU, fake host, probes of the GPU path's
 decisions).  The op library users load is built by ``paddle_mgrad/ops/_build.py`` without the
 test-only one."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,9 @@ CSRC = os.path.normpath(os.path.join(HERE, "..", "..", "..", "csrc"))
 def _load_build_config():
     """paddle_mgrad/ops/build_config.py by file path (it imports nothing from Paddle; the package's
     __init__ does): the same flags, sources and toolkit discovery as the Paddle build."""
-    path = os.path.normpath(os.path.join(HERE, "..", "..", "..", "paddle_mgrad", "ops",
-                                         "build_config.py"))
+    path = os.path.normpath(
+        os.path.join(HERE, "..", "..", "..", "paddle_mgrad", "ops", "build_config.py")
+    )
     spec = importlib.util.spec_from_file_location("pmg_build_config", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -63,8 +65,16 @@ def check_paddle_binding(paddle_include, python_include):
     tk = _require(toolkit(need_thrust=True))  # Paddle 2.6's extension.h includes thrust
     incs = [paddle_include, os.path.join(paddle_include, "third_party"), python_include, CSRC]
     incs += cuda_include_dirs(tk)
-    cmd = ["g++", "-fsyntax-only", "-Wall", *bc.CXX_FLAGS[1:2], "-DPADDLE_WITH_CUDA", bc.CUDA_DEFINE,
-           *[f"-I{d}" for d in incs if os.path.isdir(d)], os.path.join(CSRC, "wgrad_op.cc")]
+    cmd = [
+        "g++",
+        "-fsyntax-only",
+        "-Wall",
+        *bc.CXX_FLAGS[1:2],
+        "-DPADDLE_WITH_CUDA",
+        bc.CUDA_DEFINE,
+        *[f"-I{d}" for d in incs if os.path.isdir(d)],
+        os.path.join(CSRC, "wgrad_op.cc"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(" ".join(cmd), "\n", r.stdout, r.stderr[-6000:])
@@ -81,9 +91,20 @@ def compile_only(build_dir):
     print(f"toolkit: {tk.summary()}", flush=True)
     incs = [f"-I{d}" for d in tk.include_dirs]
     for src in bc.CUDA_SOURCES + bc.CAPI_SOURCES + bc.CAPI_TEST_SOURCES + bc.CORE_SOURCES:
-        cmd = [tk.nvcc, "-c", "-x", "cu" if src.endswith(".cu") else "c++", *bc.NVCC_FLAGS,
-               "-Xcompiler", "-fPIC,-Wall,-fopenmp", f"-I{CSRC}", *incs,
-               os.path.join(CSRC, src), "-o", os.path.join(build_dir, src + ".o")]
+        cmd = [
+            tk.nvcc,
+            "-c",
+            "-x",
+            "cu" if src.endswith(".cu") else "c++",
+            *bc.NVCC_FLAGS,
+            "-Xcompiler",
+            "-fPIC,-Wall,-fopenmp",
+            f"-I{CSRC}",
+            *incs,
+            os.path.join(CSRC, src),
+            "-o",
+            os.path.join(build_dir, src + ".o"),
+        ]
         if not src.endswith(".cu"):
             cmd = [c for c in cmd if not c.startswith("-gencode")]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -96,8 +117,22 @@ def compile_only(build_dir):
         core = Core(build(build_dir, cuda=True), cuda=True)
         print(f"linked and loaded; targets {core.targets()}", flush=True)
         try:
-            core.gpu_ex(None, None, "bfloat16", 0, 0, 0, None, "float32", 1.0, None, "float32", 1.0,
-                        device=0, stream=None)
+            core.gpu_ex(
+                None,
+                None,
+                "bfloat16",
+                0,
+                0,
+                0,
+                None,
+                "float32",
+                1.0,
+                None,
+                "float32",
+                1.0,
+                device=0,
+                stream=None,
+            )
             print("CUDA call without a GPU returned success (a GPU is present?)", flush=True)
         except CoreError as e:
             print(f"CUDA call without a GPU failed cleanly: {e}", flush=True)
@@ -126,10 +161,22 @@ def build(build_dir, cuda=True, targets=None):
         # the CXX flags go to the host compiler (-fopenmp etc.); cudart is linked statically by
         # nvcc; cuBLASLt by file name when only libcublasLt.so.<major> exists (wheels), + rpath
         # --threads=0: nvcc compiles the targets in parallel (the build is most of a run's setup)
-        cmd = [tk.nvcc, *flags, "--threads=0", "-shared", "-Xcompiler", ",".join(["-fPIC"] + bc.CXX_FLAGS[2:]),
-               f"-I{CSRC}", *[f"-I{d}" for d in tk.include_dirs],
-               *[os.path.join(CSRC, f) for f in bc.CUDA_SOURCES], *srcs, *tk.nvcc_link_args(),
-               "-lgomp", "-o", out]
+        cmd = [
+            tk.nvcc,
+            *flags,
+            "--threads=0",
+            "-shared",
+            "-Xcompiler",
+            ",".join(["-fPIC"] + bc.CXX_FLAGS[2:]),
+            f"-I{CSRC}",
+            *[f"-I{d}" for d in tk.include_dirs],
+            *[os.path.join(CSRC, f) for f in bc.CUDA_SOURCES],
+            *srcs,
+            *tk.nvcc_link_args(),
+            "-lgomp",
+            "-o",
+            out,
+        ]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -138,13 +185,14 @@ def build(build_dir, cuda=True, targets=None):
     return out
 
 
-
 def cpu_library_key() -> str:
     """What the CPU test library's binary depends on: the compile line, the compiler's version,
     the sources and headers."""
     h = hashlib.sha256(" ".join(_cpu_command(TEST_SOURCES, "out")).encode())
     try:
-        h.update(subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.encode())
+        h.update(
+            subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.encode()
+        )
     except OSError:
         pass
     for name in sorted(set(TEST_SOURCES + bc.HEADERS)):

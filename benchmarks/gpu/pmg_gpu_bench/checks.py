@@ -1,5 +1,6 @@
 """The correctness rows of one run (Bench).  On a GPU every call goes to the CUDA core; with
 --simulate-cpu the same code runs on the CPU core with CPU torch."""
+
 from __future__ import annotations
 
 import ctypes
@@ -22,20 +23,39 @@ def check_cpu_core(core):
 
     results = []
     rs = np.random.RandomState(0)
-    for (M, K, N) in [(37, 19, 23), (600, 70, 530), (0, 4, 5)]:
+    for M, K, N in [(37, 19, 23), (600, 70, 530), (0, 4, 5)]:
         x = rs.standard_normal([M, K]).astype("float32")
         dy = rs.standard_normal([M, N]).astype("float32")
         dw = rs.standard_normal([K, N]).astype("float32")
         db = rs.standard_normal([N]).astype("float32")
         w0, b0 = dw.astype("f8"), db.astype("f8")
         for _ in range(3):
-            core.cpu(x.ctypes.data, dy.ctypes.data, "float32", M, K, N, dw.ctypes.data, "float32",
-                     1.0, db.ctypes.data, "float32", 1.0)
+            core.cpu(
+                x.ctypes.data,
+                dy.ctypes.data,
+                "float32",
+                M,
+                K,
+                N,
+                dw.ctypes.data,
+                "float32",
+                1.0,
+                db.ctypes.data,
+                "float32",
+                1.0,
+            )
         ref_w = w0 + 3 * x.astype("f8").T @ dy.astype("f8")
         ref_b = b0 + 3 * dy.astype("f8").sum(0)
-        bw = error_bound(3 * np.abs(x.astype("f8")).T @ np.abs(dy.astype("f8")), np.abs(w0),
-                         max(M, 1), "float32", "float32")
-        bb = error_bound(3 * np.abs(dy.astype("f8")).sum(0), np.abs(b0), max(M, 1), "float32", "float32")
+        bw = error_bound(
+            3 * np.abs(x.astype("f8")).T @ np.abs(dy.astype("f8")),
+            np.abs(w0),
+            max(M, 1),
+            "float32",
+            "float32",
+        )
+        bb = error_bound(
+            3 * np.abs(dy.astype("f8")).sum(0), np.abs(b0), max(M, 1), "float32", "float32"
+        )
         okw, rw, _ = check_result(dw, ref_w, bw)
         okb, rb, _ = check_result(db, ref_b, bb)
         results.append({"shape": [M, K, N], "ok": okw and okb, "err/bound": max(rw, rb)})
@@ -49,11 +69,22 @@ class Bench:
     def __init__(self, args, torch, core, sim, report):
         import numpy as np
 
-        self.np, self.torch, self.core, self.sim, self.args, self.report = np, torch, core, sim, args, report
+        self.np, self.torch, self.core, self.sim, self.args, self.report = (
+            np,
+            torch,
+            core,
+            sim,
+            args,
+            report,
+        )
         self.dev = torch.device("cpu" if sim else "cuda")
         self.device = 0 if sim else (self.dev.index or torch.cuda.current_device())
-        self.tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                    "float16": torch.float16, "float64": torch.float64}
+        self.tdt = {
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "float64": torch.float64,
+        }
         self.gen = torch.Generator(device=self.dev).manual_seed(1234)
         self.sync = (lambda: None) if sim else torch.cuda.synchronize
         self.keep = []  # allocator-callback tensors, alive until the next sync point
@@ -70,6 +101,7 @@ class Bench:
 
     def call(self, x, dy, dw, db, dw_beta, db_beta, in_dtype, stream=None, **ex):
         """One call of the core on torch tensors (or raw pointers: int); returns its report."""
+
         def ptr(t):
             return t if isinstance(t, int) or t is None else t.data_ptr()
 
@@ -79,15 +111,29 @@ class Bench:
         M, K = ex.pop("shape", None) or (x.shape[0], x.shape[1])
         N = ex.pop("n", None) or dy.shape[1]
         acc = "float64" if in_dtype == "float64" else "float32"
-        a = (ptr(x), ptr(dy), in_dtype, M, K, N, ptr(dw), dt(dw, acc), dw_beta, ptr(db),
-             dt(db, acc), db_beta)
+        a = (
+            ptr(x),
+            ptr(dy),
+            in_dtype,
+            M,
+            K,
+            N,
+            ptr(dw),
+            dt(dw, acc),
+            dw_beta,
+            ptr(db),
+            dt(db, acc),
+            db_beta,
+        )
         if self.sim:
             return self.core.cpu(*a)
-        return self.core.gpu_ex(*a, device=ex.pop("device", self.device),
-                                stream=self.stream_ptr(stream), **ex)
+        return self.core.gpu_ex(
+            *a, device=ex.pop("device", self.device), stream=self.stream_ptr(stream), **ex
+        )
 
     def torch_alloc(self, stream=None):
         """An allocator callback backed by torch's caching allocator (as Paddle's for the op)."""
+
         def alloc(n):
             if stream is not None:
                 with self.torch.cuda.stream(stream):
@@ -96,6 +142,7 @@ class Bench:
                 t = self.torch.empty(int(n), dtype=self.torch.uint8, device=self.dev)
             self.keep.append(t)
             return t.data_ptr()
+
         return alloc
 
     def reference(self, x, dy):
@@ -106,8 +153,9 @@ class Bench:
         """got vs start + calls * want, with the bound of `calls` accumulations."""
         np = self.np
         s = start.double().cpu().numpy()
-        bound = error_bound(calls * absval.cpu().numpy(), np.abs(s), M, out, in_dtype) + \
-            error_bound(absval.cpu().numpy(), 0, M, out, in_dtype)
+        bound = error_bound(
+            calls * absval.cpu().numpy(), np.abs(s), M, out, in_dtype
+        ) + error_bound(absval.cpu().numpy(), 0, M, out, in_dtype)
         return check_result(got.double().cpu().numpy(), s + calls * want.cpu().numpy(), bound)
 
     def same_bytes(self, a, b):
@@ -124,8 +172,7 @@ class Bench:
         self.report["checks"].append({"item": item, "case": "-", "ok": None, "detail": why})
         print(f"{item:10s} {'-':44s} n/a  {why}", flush=True)
 
-    def accumulate(self, in_dtype, shape, bias, x=None, dy=None, mg=None, db=None, calls=3,
-                   **ex):
+    def accumulate(self, in_dtype, shape, bias, x=None, dy=None, mg=None, db=None, calls=3, **ex):
         """`calls` in-place accumulations from random starting accumulators; checks data_ptr and
         values vs float64.  Returns (ok, detail, infos)."""
         M, K, N = shape
@@ -138,8 +185,10 @@ class Bench:
         w0, b0 = mg.clone(), (db.clone() if bias else None)
         prod, absprod, colsum, abscolsum = self.reference(x, dy)
         ptr = mg.data_ptr()
-        infos = [self.call(x, dy, mg, db if bias else None, 1.0, 1.0, in_dtype, **dict(ex))
-                 for _ in range(calls)]
+        infos = [
+            self.call(x, dy, mg, db if bias else None, 1.0, 1.0, in_dtype, **dict(ex))
+            for _ in range(calls)
+        ]
         self.sync()
         self.keep.clear()
         ok, ratio, _ = self.compare(mg, prod, absprod, w0, M, acc, in_dtype, calls)
@@ -154,7 +203,7 @@ class Bench:
     def values(self):
         args, torch = self.args, self.torch
         shapes = CHECK_SHAPES[1::2] if self.sim else CHECK_SHAPES[: (3 if args.quick else None)]
-        for (M, K, N) in shapes:
+        for M, K, N in shapes:
             for in_dtype in ("bfloat16", "float16", "float32", "float64"):
                 out = "float64" if in_dtype == "float64" else "float32"
                 for with_bias in (True, False):
@@ -162,8 +211,11 @@ class Bench:
                     prod, absprod, colsum, abscolsum = self.reference(x, dy)
                     # fresh accumulator (beta = 0) poisoned with NaN, then 3 accumulations
                     dw = torch.full((K, N), float("nan"), device=self.dev, dtype=self.tdt[out])
-                    db = torch.full((N,), float("nan"), device=self.dev,
-                                    dtype=self.tdt[out]) if with_bias else None
+                    db = (
+                        torch.full((N,), float("nan"), device=self.dev, dtype=self.tdt[out])
+                        if with_bias
+                        else None
+                    )
                     info = self.call(x, dy, dw, db, 0.0, 0.0, in_dtype)
                     start = dw.double().clone()
                     ptr = dw.data_ptr()
@@ -176,18 +228,32 @@ class Bench:
                     if with_bias:
                         zero = torch.zeros_like(colsum)
                         okb, rb, _ = self.compare(db, colsum, abscolsum, zero, M, out, in_dtype, 4)
-                        ok, detail = ok and okb, detail + f", bias {rb:.3f} via {info_field(info, 'bias') or info}"
+                        ok, detail = (
+                            ok and okb,
+                            detail + f", bias {rb:.3f} via {info_field(info, 'bias') or info}",
+                        )
                     item = "fp64" if in_dtype == "float64" else "values"
                     self.add(item, f"{in_dtype} {M}x{K}x{N} bias={with_bias}", ok, detail)
-                    if in_dtype in ("bfloat16", "float16"):  # same-precision C (multi_precision=False)
-                        dwl = torch.full((K, N), float("nan"), device=self.dev).to(self.tdt[in_dtype])
+                    if in_dtype in (
+                        "bfloat16",
+                        "float16",
+                    ):  # same-precision C (multi_precision=False)
+                        dwl = torch.full((K, N), float("nan"), device=self.dev).to(
+                            self.tdt[in_dtype]
+                        )
                         self.call(x, dy, dwl, None, 0.0, 0.0, in_dtype)
                         self.sync()
-                        okl, rl, _ = check_result(dwl.double().cpu().numpy(), prod.cpu().numpy(),
-                                                  error_bound(absprod.cpu().numpy(), 0, M, in_dtype,
-                                                              in_dtype))
-                        self.add("values", f"{in_dtype} {M}x{K}x{N} -> {in_dtype} dW", okl,
-                                 f"err/bound {rl:.3f}")
+                        okl, rl, _ = check_result(
+                            dwl.double().cpu().numpy(),
+                            prod.cpu().numpy(),
+                            error_bound(absprod.cpu().numpy(), 0, M, in_dtype, in_dtype),
+                        )
+                        self.add(
+                            "values",
+                            f"{in_dtype} {M}x{K}x{N} -> {in_dtype} dW",
+                            okl,
+                            f"err/bound {rl:.3f}",
+                        )
 
     def offset_view(self, shape, dtype, off, fill=None, tail=64):
         """A contiguous view of `shape` starting `off` bytes into a fresh byte buffer (`tail`
@@ -199,15 +265,15 @@ class Bench:
         es = ELEM[dtype]
         buf = torch.empty(off + n * es + tail, dtype=torch.uint8, device=self.dev)
         buf.fill_(0x5A)
-        v = buf[off: off + n * es].view(self.tdt[dtype]).view(*shape)
+        v = buf[off : off + n * es].view(self.tdt[dtype]).view(*shape)
         if fill is not None:
             v.copy_(fill)
         return buf, v
 
     def offsets(self):
         shapes = OFFSET_SHAPES[1:] if self.sim else OFFSET_SHAPES
-        for (in_dtype, off, moved) in offset_cases():
-            for (M, K, N) in shapes:
+        for in_dtype, off, moved in offset_cases():
+            for M, K, N in shapes:
                 acc = "float64" if in_dtype == "float64" else "float32"
                 bufs = {}
 
@@ -216,23 +282,31 @@ class Bench:
                     buf, v = self.offset_view(shape, dtype, o, self.randn(shape, dtype))
                     bufs[name] = (buf, o, v)
                     return v
+
                 x = make("x", (M, K), in_dtype)
                 dy = make("dy", (M, N), in_dtype)
                 mg = make("main_grad", (K, N), acc)
                 db = make("bias", (N,), acc)
                 mg_buf, mg_off, _ = bufs["main_grad"]
-                around = self.torch.cat([mg_buf[:mg_off], mg_buf[mg_off + K * N * ELEM[acc]:]]).clone()
+                around = self.torch.cat(
+                    [mg_buf[:mg_off], mg_buf[mg_off + K * N * ELEM[acc] :]]
+                ).clone()
                 try:
-                    ok, detail, infos = self.accumulate(in_dtype, (M, K, N), True, x=x, dy=dy, mg=mg,
-                                                        db=db)
+                    ok, detail, infos = self.accumulate(
+                        in_dtype, (M, K, N), True, x=x, dy=dy, mg=mg, db=db
+                    )
                 except CoreError as e:
                     ok, detail, infos = False, f"error: {e}", []
-                after = self.torch.cat([mg_buf[:mg_off], mg_buf[mg_off + K * N * ELEM[acc]:]])
+                after = self.torch.cat([mg_buf[:mg_off], mg_buf[mg_off + K * N * ELEM[acc] :]])
                 ok = ok and self.same_bytes(around, after)
                 align = info_field(infos[0], "align") if infos and not self.sim else "cpu"
                 bias = info_field(infos[0], "bias") if infos and not self.sim else "cpu"
-                self.add("offsets", f"{in_dtype} +{off}B {'/'.join(moved)} {M}x{K}x{N}", ok,
-                         f"{detail}; align {align}; bias via {bias}")
+                self.add(
+                    "offsets",
+                    f"{in_dtype} +{off}B {'/'.join(moved)} {M}x{K}x{N}",
+                    ok,
+                    f"{detail}; align {align}; bias via {bias}",
+                )
 
     def bias(self):
         M, K, N = (257, 64, 96) if self.sim else (4095, 1024, 520)
@@ -240,28 +314,34 @@ class Bench:
             x, dy = self.randn((M, K), in_dtype), self.randn((M, N), in_dtype)
             mg0, db0 = self.randn((K, N), "float32"), self.randn((N,), "float32")
             results = {}
-            for mode in (("cpu",) if self.sim else ("auto", "epilogue", "kernel")):
+            for mode in ("cpu",) if self.sim else ("auto", "epilogue", "kernel"):
                 outs = []
                 for _rep in range(2):  # twice from the same start: bitwise equal (deterministic)
                     mg, db = mg0.clone(), db0.clone()
                     try:
                         ex = {} if self.sim else {"bias_mode": mode}
-                        ok, detail, infos = self.accumulate(in_dtype, (M, K, N), True, x=x, dy=dy,
-                                                            mg=mg, db=db, **ex)
+                        ok, detail, infos = self.accumulate(
+                            in_dtype, (M, K, N), True, x=x, dy=dy, mg=mg, db=db, **ex
+                        )
                     except CoreError as e:
                         ok, detail, infos = False, f"error: {e}", []
                     outs.append((ok, detail, infos, mg, db))
                 (ok, detail, infos, mg, db), (_, _, _, mg2, db2) = outs
                 det = self.same_bytes(mg, mg2) and self.same_bytes(db, db2)
                 ran = info_field(infos[0], "bias") if infos and not self.sim else "cpu"
-                why = re.search(r"bias=\S+ \(([^)]*)\)", infos[0]) if infos and not self.sim else None
+                why = (
+                    re.search(r"bias=\S+ \(([^)]*)\)", infos[0]) if infos and not self.sim else None
+                )
                 results[mode] = db
                 want = {"epilogue": "epilogue", "kernel": "kernel"}.get(mode)
                 path_ok = want is None or ran == want
-                self.add("bias", f"{in_dtype} {M}x{K}x{N} mode={mode}",
-                         ok and det and outs[1][0] and path_ok,
-                         f"{detail}; ran {ran}{' (' + why.group(1) + ')' if why else ''}; "
-                         f"repeat {'bitwise equal' if det else 'DIFFERS'}")
+                self.add(
+                    "bias",
+                    f"{in_dtype} {M}x{K}x{N} mode={mode}",
+                    ok and det and outs[1][0] and path_ok,
+                    f"{detail}; ran {ran}{' (' + why.group(1) + ')' if why else ''}; "
+                    f"repeat {'bitwise equal' if det else 'DIFFERS'}",
+                )
             if "epilogue" in results and "kernel" in results:
                 d = float((results["epilogue"].double() - results["kernel"].double()).abs().max())
                 self.report.setdefault("bias_epilogue_vs_kernel", {})[in_dtype] = d
@@ -284,12 +364,17 @@ class Bench:
                 ex.update(workspace=wbuf.data_ptr(), workspace_bytes=wbuf.numel())
             s.wait_stream(cur)
             with torch.cuda.stream(s):
-                ok, detail, infos = self.accumulate("bfloat16", (M, K, N), True, x=x, dy=dy, mg=mg,
-                                                    db=db, stream=s, **ex)
+                ok, detail, infos = self.accumulate(
+                    "bfloat16", (M, K, N), True, x=x, dy=dy, mg=mg, db=db, stream=s, **ex
+                )
             cur.wait_stream(s)
             used = info_field(infos[0], "workspace") if infos else "?"
-            self.add("streams", f"non-default stream, workspace {ws}", ok and ws in (used or ""),
-                     f"{detail}; workspace {used}")
+            self.add(
+                "streams",
+                f"non-default stream, workspace {ws}",
+                ok and ws in (used or ""),
+                f"{detail}; workspace {used}",
+            )
         # two streams at once, interleaved, no sync in between
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         for ws in ("stream-ordered", "caller"):
@@ -304,22 +389,29 @@ class Bench:
             for _ in range(3):
                 for i, st in enumerate((s1, s2)):
                     (_, dt, x, dy, mg, db, _, _) = probs[i]
-                    ex = {} if ws == "stream-ordered" else {"workspace": wb[i].data_ptr(),
-                                                            "workspace_bytes": wb[i].numel()}
+                    ex = (
+                        {}
+                        if ws == "stream-ordered"
+                        else {"workspace": wb[i].data_ptr(), "workspace_bytes": wb[i].numel()}
+                    )
                     with torch.cuda.stream(st):
                         self.call(x, dy, mg, db, 1.0, 1.0, dt, stream=st, **ex)
             cur.wait_stream(s1)
             cur.wait_stream(s2)
             self.sync()
             oks, details = [], []
-            for ((M, _K, _N), dt, x, dy, mg, db, w0, b0) in probs:
+            for (M, _K, _N), dt, x, dy, mg, db, w0, b0 in probs:
                 prod, absprod, colsum, abscolsum = self.reference(x, dy)
                 okw, rw, _ = self.compare(mg, prod, absprod, w0, M, "float32", dt, 3)
                 okb, rb, _ = self.compare(db, colsum, abscolsum, b0, M, "float32", dt, 3)
                 oks.append(okw and okb)
                 details.append(f"{dt} {rw:.3f}/{rb:.3f}")
-            self.add("streams", f"two streams at once, workspace {ws}", all(oks),
-                     "err/bound " + ", ".join(details))
+            self.add(
+                "streams",
+                f"two streams at once, workspace {ws}",
+                all(oks),
+                "err/bound " + ", ".join(details),
+            )
 
     def graph(self):
         if self.sim:
@@ -354,11 +446,19 @@ class Bench:
                 prod, absprod, colsum, abscolsum = self.reference(x, dy)
                 okw, rw, _ = self.compare(mg, prod, absprod, w0, M, "float32", "bfloat16", 3)
                 okb, rb, _ = self.compare(db, colsum, abscolsum, b0, M, "float32", "bfloat16", 3)
-                self.add("graph", f"capture + 3 replays, workspace {ws}", okw and okb,
-                         f"err/bound {rw:.3f}, bias {rb:.3f}; {info}")
+                self.add(
+                    "graph",
+                    f"capture + 3 replays, workspace {ws}",
+                    okw and okb,
+                    f"err/bound {rw:.3f}, bias {rb:.3f}; {info}",
+                )
             except Exception as e:  # noqa: BLE001  (a capture failure is this row's result)
-                self.add("graph", f"capture + 3 replays, workspace {ws}", False,
-                         f"{type(e).__name__}: {e}"[:300])
+                self.add(
+                    "graph",
+                    f"capture + 3 replays, workspace {ws}",
+                    False,
+                    f"{type(e).__name__}: {e}"[:300],
+                )
             self.keep.clear()
 
     def untouched_error(self, item, case, expect, fn, mg, db=None):
@@ -373,8 +473,7 @@ class Bench:
             ok, detail = expect.lower() in str(e).lower(), str(e)[:160]
         after = [t for t in (mg, db) if t is not None]
         same = all(self.same_bytes(a, b) for a, b in zip(before, after))
-        return self.add(item, case, ok and same,
-                        ("untouched; " if same else "TOUCHED; ") + detail)
+        return self.add(item, case, ok and same, ("untouched; " if same else "TOUCHED; ") + detail)
 
     def capability(self):
         M, K, N = 512, 256, 128
@@ -383,33 +482,55 @@ class Bench:
         if self.sim:  # the decision only (the plan function the core calls)
             lib = self.core.lib
             t = b"sm_80+sm_90+compute_90"
-            ok = (not lib.pmg_targets_cover(t, 70) and lib.pmg_targets_cover(t, 90)
-                  and lib.pmg_targets_cover(t, 100) and lib.pmg_targets_cover(t, 86))
-            return self.add("capability", "targets_cover (decision only)", ok,
-                            "simulation: sm_70 refused, sm_86/90/100 covered")
+            ok = (
+                not lib.pmg_targets_cover(t, 70)
+                and lib.pmg_targets_cover(t, 90)
+                and lib.pmg_targets_cover(t, 100)
+                and lib.pmg_targets_cover(t, 86)
+            )
+            return self.add(
+                "capability",
+                "targets_cover (decision only)",
+                ok,
+                "simulation: sm_70 refused, sm_86/90/100 covered",
+            )
         for mode in ("auto", "kernel"):
             self.untouched_error(
-                "capability", f"simulated sm_70, bias {mode}", "sm_70",
-                lambda mode=mode: self.call(x, dy, mg, db, 1.0, 1.0, "bfloat16", sim=70, bias_mode=mode),
-                mg, db)
+                "capability",
+                f"simulated sm_70, bias {mode}",
+                "sm_70",
+                lambda mode=mode: self.call(
+                    x, dy, mg, db, 1.0, 1.0, "bfloat16", sim=70, bias_mode=mode
+                ),
+                mg,
+                db,
+            )
         # without bias only cuBLASLt runs: a CUDA 12 build runs it there; a CUDA 13 build refuses
         # (CUDA 13's libraries dropped Volta), leaving main_grad untouched
         before = mg.clone()
         try:
-            ok, detail, _ = self.accumulate("bfloat16", (M, K, N), False, x=x, dy=dy, mg=mg,
-                                            calls=1, sim=70)
+            ok, detail, _ = self.accumulate(
+                "bfloat16", (M, K, N), False, x=x, dy=dy, mg=mg, calls=1, sim=70
+            )
         except CoreError as e:
-            ok, detail = "dropped Maxwell, Pascal and Volta" in str(e) and self.same_bytes(before, mg), \
-                "refused (CUDA 13 build), untouched: " + str(e)[:100]
+            ok, detail = (
+                "dropped Maxwell, Pascal and Volta" in str(e) and self.same_bytes(before, mg),
+                "refused (CUDA 13 build), untouched: " + str(e)[:100],
+            )
         self.add("capability", "simulated sm_70, no bias (cuBLASLt only)", ok, detail)
         cap = self.torch.cuda.get_device_capability()
         try:
-            ok, detail, _ = self.accumulate("bfloat16", (M, K, N), True, x=x, dy=dy, calls=1,
-                                            sim=100)
+            ok, detail, _ = self.accumulate(
+                "bfloat16", (M, K, N), True, x=x, dy=dy, calls=1, sim=100
+            )
         except CoreError as e:
             ok, detail = False, str(e)
-        self.add("capability", "simulated sm_100 (compute_90 PTX covers it)", ok,
-                 f"{detail}; real GPU sm_{cap[0]}{cap[1]}")
+        self.add(
+            "capability",
+            "simulated sm_100 (compute_90 PTX covers it)",
+            ok,
+            f"{detail}; real GPU sm_{cap[0]}{cap[1]}",
+        )
 
     def checks(self):
         torch = self.torch
@@ -419,34 +540,80 @@ class Bench:
         if self.sim:
             err = ctypes.create_string_buffer(512)
             rc = self.core.lib.pmg_check_element_alignment(
-                x.data_ptr() + 2, dy.data_ptr(), 0, M, K, N, mg.data_ptr(), 0, db.data_ptr(), 0,
-                err, len(err))
-            return self.add("checks", "fp32 x at +2 bytes (decision only)",
-                            rc == 1 and b"element size" in err.value, err.value.decode()[:120])
+                x.data_ptr() + 2,
+                dy.data_ptr(),
+                0,
+                M,
+                K,
+                N,
+                mg.data_ptr(),
+                0,
+                db.data_ptr(),
+                0,
+                err,
+                len(err),
+            )
+            return self.add(
+                "checks",
+                "fp32 x at +2 bytes (decision only)",
+                rc == 1 and b"element size" in err.value,
+                err.value.decode()[:120],
+            )
         tiny = torch.empty(16, dtype=torch.uint8, device=self.dev)
-        self.untouched_error("checks", "workspace too small, no allocator", "needed",
-                             lambda: self.call(x, dy, mg, db, 1.0, 1.0, "float32",
-                                               workspace=tiny.data_ptr(), workspace_bytes=16),
-                             mg, db)
-        self.untouched_error("checks", "allocator returns null", "could not allocate",
-                             lambda: self.call(x, dy, mg, db, 1.0, 1.0, "float32",
-                                               alloc=lambda n: 0), mg, db)
-        self.untouched_error("checks", "fp32 x at +2 bytes", "element size",
-                             lambda: self.call(x.data_ptr() + 2, dy, mg, db, 1.0, 1.0, "float32",
-                                               shape=(M, K)), mg, db)
+        self.untouched_error(
+            "checks",
+            "workspace too small, no allocator",
+            "needed",
+            lambda: self.call(
+                x, dy, mg, db, 1.0, 1.0, "float32", workspace=tiny.data_ptr(), workspace_bytes=16
+            ),
+            mg,
+            db,
+        )
+        self.untouched_error(
+            "checks",
+            "allocator returns null",
+            "could not allocate",
+            lambda: self.call(x, dy, mg, db, 1.0, 1.0, "float32", alloc=lambda n: 0),
+            mg,
+            db,
+        )
+        self.untouched_error(
+            "checks",
+            "fp32 x at +2 bytes",
+            "element size",
+            lambda: self.call(x.data_ptr() + 2, dy, mg, db, 1.0, 1.0, "float32", shape=(M, K)),
+            mg,
+            db,
+        )
         mg16 = self.randn((K, N), "bfloat16")
         xb, dyb = x.to(torch.bfloat16), dy.to(torch.bfloat16)
-        self.untouched_error("checks", "epilogue forced, bf16 dW (refused)", "cannot apply",
-                             lambda: self.call(xb, dyb, mg16, db, 1.0, 1.0, "bfloat16",
-                                               bias_mode="epilogue"), mg16, db)
+        self.untouched_error(
+            "checks",
+            "epilogue forced, bf16 dW (refused)",
+            "cannot apply",
+            lambda: self.call(xb, dyb, mg16, db, 1.0, 1.0, "bfloat16", bias_mode="epilogue"),
+            mg16,
+            db,
+        )
         x64, dy64 = x.double(), dy.double()
         mg64, db64 = mg.double(), db.double()
-        self.untouched_error("checks", "epilogue forced, fp64 (refused)", "float64",
-                             lambda: self.call(x64, dy64, mg64, db64, 1.0, 1.0, "float64",
-                                               bias_mode="epilogue"), mg64, db64)
-        self.untouched_error("checks", "no device given", "device",
-                             lambda: self.call(x, dy, mg, db, 1.0, 1.0, "float32", device=-1),
-                             mg, db)
+        self.untouched_error(
+            "checks",
+            "epilogue forced, fp64 (refused)",
+            "float64",
+            lambda: self.call(x64, dy64, mg64, db64, 1.0, 1.0, "float64", bias_mode="epilogue"),
+            mg64,
+            db64,
+        )
+        self.untouched_error(
+            "checks",
+            "no device given",
+            "device",
+            lambda: self.call(x, dy, mg, db, 1.0, 1.0, "float32", device=-1),
+            mg,
+            db,
+        )
 
     def bias_order(self):
         """The bias kernel's sums (fresh db, beta 0) bitwise equal to the CPU
@@ -459,7 +626,7 @@ class Bench:
         sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
         for in_dtype in ("bfloat16", "float16", "float32", "float64"):
             acc = "float64" if in_dtype == "float64" else "float32"
-            for (M, K, N) in ((16384, 32, 16), (4095, 32, 520), (3000, 16, 1408), (70000, 8, 64)):
+            for M, K, N in ((16384, 32, 16), (4095, 32, 520), (3000, 16, 1408), (70000, 8, 64)):
                 x, dy = self.randn((M, K), in_dtype), self.randn((M, N), in_dtype)
                 mg = self.randn((K, N), acc)
                 db = torch.full((N,), float("nan"), device=self.dev, dtype=self.tdt[acc])
@@ -470,15 +637,20 @@ class Bench:
                     self.add("bias-order", f"{in_dtype} {M}x{N}", False, f"error: {e}"[:200])
                     continue
                 host = dy.cpu().contiguous()
-                ref = self.core.bias_reference(host.data_ptr(), in_dtype, M, N, sms,
-                                               address=dy.data_ptr())
+                ref = self.core.bias_reference(
+                    host.data_ptr(), in_dtype, M, N, sms, address=dy.data_ptr()
+                )
                 got = db.double().cpu().numpy()
                 same = bool(np.array_equal(got, ref))
                 exact = dy.double().sum(0).cpu().numpy()
                 rel = float(np.abs(got - exact).max() / max(np.abs(exact).max(), 1e-30))
-                self.add("bias-order", f"{in_dtype} {M}x{N}", same,
-                         f"{'bitwise equal' if same else 'DIFFERS'} to the CPU reference "
-                         f"({sms} SMs); max rel err vs float64 {rel:.2e}; {info_field(info, 'bias')}")
+                self.add(
+                    "bias-order",
+                    f"{in_dtype} {M}x{N}",
+                    same,
+                    f"{'bitwise equal' if same else 'DIFFERS'} to the CPU reference "
+                    f"({sms} SMs); max rel err vs float64 {rel:.2e}; {info_field(info, 'bias')}",
+                )
 
     def pressure(self):
         """Memory pressure: an allocator that refuses the first request (cuBLASLt workspace
@@ -496,11 +668,20 @@ class Bench:
             first = int(m.group(1)) if m else 0
             out = (ctypes.c_int64 * 8)()
             path = {"epilogue": 1, "kernel": 2}.get(info_field(info, "bias"), 0)
-            self.core.lib.pmg_plan_workspace(1, M, K, N, path, 0,
-                                             self.torch.cuda.get_device_properties(self.dev)
-                                             .multi_processor_count, out)
+            self.core.lib.pmg_plan_workspace(
+                1,
+                M,
+                K,
+                N,
+                path,
+                0,
+                self.torch.cuda.get_device_properties(self.dev).multi_processor_count,
+                out,
+            )
             if first <= out[7]:
-                self.skip("pressure", f"{name} {M}x{K}x{N}: cuBLASLt asked for no workspace ({info})")
+                self.skip(
+                    "pressure", f"{name} {M}x{K}x{N}: cuBLASLt asked for no workspace ({info})"
+                )
                 continue
             inner = self.torch_alloc()
             refused = []
@@ -510,11 +691,17 @@ class Bench:
                     refused.append(n)
                     return 0
                 return inner(n)
+
             try:
-                ok, detail, infos = self.accumulate("bfloat16", (M, K, N), True, x=x, dy=dy, mg=mg,
-                                                    db=db, alloc=tight)
+                ok, detail, infos = self.accumulate(
+                    "bfloat16", (M, K, N), True, x=x, dy=dy, mg=mg, db=db, alloc=tight
+                )
                 retried = all(info_field(i, "ws_retry") == "1" for i in infos)
             except CoreError as e:
                 ok, detail, infos, retried = False, f"error: {e}", [], False
-            self.add("pressure", f"{name} {M}x{K}x{N}", ok and retried and bool(refused),
-                     f"{detail}; refused {refused[:1]} bytes, then {infos[0] if infos else '?'}")
+            self.add(
+                "pressure",
+                f"{name} {M}x{K}x{N}",
+                ok and retried and bool(refused),
+                f"{detail}; refused {refused[:1]} bytes, then {infos[0] if infos else '?'}",
+            )

@@ -1,4 +1,5 @@
 """compute-sanitizer memcheck on small cases, in a child process of the script."""
+
 from __future__ import annotations
 
 import os
@@ -11,8 +12,9 @@ import time
 from .build import toolkit
 from .capi import ELEM, Core, CoreError
 
-SCRIPT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                       "bench_wgrad_gpu.py"))
+SCRIPT = os.path.normpath(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench_wgrad_gpu.py")
+)
 
 
 def sanitizer_summary(text):
@@ -45,11 +47,27 @@ def run_sanitizer(bench, lib, budget_s):
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")  # one allocation per tensor
     out = os.path.join(bench.args.out, "sanitizer")
     os.makedirs(out, exist_ok=True)
-    cmd = [tool, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit", "20",
-           sys.executable, SCRIPT, "--sanitize-case", "--lib", lib, "--out", out]
+    cmd = [
+        tool,
+        "--tool",
+        "memcheck",
+        "--error-exitcode",
+        "9",
+        "--print-limit",
+        "20",
+        sys.executable,
+        SCRIPT,
+        "--sanitize-case",
+        "--lib",
+        lib,
+        "--out",
+        out,
+    ]
     t0 = time.time()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60.0, budget_s), env=env)
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=max(60.0, budget_s), env=env
+        )
         text, rc = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = f"timed out after {e.timeout:.0f} s", -1
@@ -58,9 +76,13 @@ def run_sanitizer(bench, lib, budget_s):
     n, clean = sanitizer_summary(text)
     cases = re.search(r"SANITIZE-CASES (\d+)/(\d+)", text)
     ok = rc == 0 and clean and cases is not None and cases.group(1) == cases.group(2)
-    bench.add("sanitizer", "memcheck, small cases", ok,
-              f"{n} errors, cases {cases.group(0) if cases else '?'}, rc {rc}, "
-              f"{time.time() - t0:.0f} s" + ("" if ok else f"; {text[-300:]!r}"))
+    bench.add(
+        "sanitizer",
+        "memcheck, small cases",
+        ok,
+        f"{n} errors, cases {cases.group(0) if cases else '?'}, rc {rc}, "
+        f"{time.time() - t0:.0f} s" + ("" if ok else f"; {text[-300:]!r}"),
+    )
 
 
 def sanitize_case(args):
@@ -77,8 +99,12 @@ def sanitize_case(args):
     for in_dtype in ("bfloat16", "float16", "float32", "float64"):
         acc = "float64" if in_dtype == "float64" else "float32"
         for mode in ("auto", "kernel"):
-            for (M, K, N), off in (((67, 40, 24), 2), ((130, 33, 17), 16), ((0, 8, 8), 0),
-                                   ((9, 0, 8), 0)):
+            for (M, K, N), off in (
+                ((67, 40, 24), 2),
+                ((130, 33, 17), 16),
+                ((0, 8, 8), 0),
+                ((9, 0, 8), 0),
+            ):
                 o_in = off if off % ELEM[in_dtype] == 0 else 0
                 o_acc = off if off % ELEM[acc] == 0 else 0
                 _, x = b.offset_view((M, K), in_dtype, o_in, b.randn((M, K), in_dtype), tail=0)

@@ -25,6 +25,7 @@ wheel (measured, 2 gloo ranks, ``meta_parallel/dualpipev.py``):
    under ``<src>-><dst>/<n>`` and returns; a receive waits for its key): sends never block, so
    the schedule's own ordering is all that matters, as with NCCL.
 """
+
 from __future__ import annotations
 
 import pickle

@@ -24,6 +24,7 @@ and returns it, as it does on a GPU (an earlier out-of-place stand-in hid a regr
 Every stand-in names the Paddle limitation it works around, and counts its calls in
 :data:`CALLS` (the tests' evidence that a path really ran).
 """
+
 from __future__ import annotations
 
 import collections
@@ -99,7 +100,7 @@ def _reduce_scatter_rows(self, out, in_tensor, op):
     n = in_tensor.shape[0] // self.size()
     r = self.rank()
     with paddle.no_grad():
-        paddle.assign(full[r * n:(r + 1) * n], output=out)
+        paddle.assign(full[r * n : (r + 1) * n], output=out)
 
 
 def _reduce_scatter_tensor(self, out, in_tensor, op=None, sync_op=True):
@@ -280,14 +281,23 @@ def c_softmax_with_cross_entropy(logits, label, *args):
         ignore_index, ring_id, rank, nranks = args[:4]
     else:
         a = _legacy_attrs(args)
-        ignore_index, ring_id, rank, nranks = (a.get("ignore_index", -100), a["ring_id"],
-                                               a["rank"], a["nranks"])
-    return _CSoftmaxWithCrossEntropy.apply(logits, label, _group(ring_id), rank, nranks,
-                                           ignore_index)
+        ignore_index, ring_id, rank, nranks = (
+            a.get("ignore_index", -100),
+            a["ring_id"],
+            a["rank"],
+            a["nranks"],
+        )
+    return _CSoftmaxWithCrossEntropy.apply(
+        logits, label, _group(ring_id), rank, nranks, ignore_index
+    )
 
 
-C_OPS = {"c_identity": c_identity, "c_concat": c_concat, "c_split": c_split,
-         "c_softmax_with_cross_entropy": c_softmax_with_cross_entropy}
+C_OPS = {
+    "c_identity": c_identity,
+    "c_concat": c_concat,
+    "c_split": c_split,
+    "c_softmax_with_cross_entropy": c_softmax_with_cross_entropy,
+}
 
 
 # -- hybrid_parallel_util.broadcast_input_data -------------------------------------------------

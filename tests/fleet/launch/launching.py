@@ -1,6 +1,7 @@
 """Running the fleet drivers from a test: one process or ``paddle.distributed.launch`` with 2
 ranks, in its own process group (a timeout kills the launcher's ranks too), failing with the
 rank logs.  Shared by test_hybrid_parallel.py and test_zero_bubble_pipeline.py."""
+
 import os
 import shutil
 import signal
@@ -42,12 +43,13 @@ def run(cmd, out, what, timeout):
         kept = os.path.join(out, "log.refused")
         shutil.rmtree(kept, ignore_errors=True)
         os.rename(os.path.join(out, "log"), kept)
-        print(f"\n--- NOTE: {what}: a rank's gloo rendezvous was refused before training (a "
-              f"port race between concurrent launches); repeated once, first logs in {kept}")
+        print(
+            f"\n--- NOTE: {what}: a rank's gloo rendezvous was refused before training (a "
+            f"port race between concurrent launches); repeated once, first logs in {kept}"
+        )
         code, output = _run_once(cmd, out, what, timeout)
     if code != 0:
-        pytest.fail(f"{what} exited {code}{logs(out)}\n--- launcher (last 3000)\n"
-                    f"{output[-3000:]}")
+        pytest.fail(f"{what} exited {code}{logs(out)}\n--- launcher (last 3000)\n{output[-3000:]}")
 
 
 def _gloo_refused_at_start(out):
@@ -62,15 +64,24 @@ def _gloo_refused_at_start(out):
 
 
 def _run_once(cmd, out, what, timeout):
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env(), cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"{what} timed out after {timeout}s{logs(out)}\n--- launcher (last 3000)\n"
-                    f"{output[-3000:]}")
+        pytest.fail(
+            f"{what} timed out after {timeout}s{logs(out)}\n--- launcher (last 3000)\n"
+            f"{output[-3000:]}"
+        )
     return proc.returncode, output
 
 
@@ -79,9 +90,23 @@ def launch_two_ranks(driver, config, out, ref, timeout, extra=()):
     rank1] results (``out/rank<r>.json``)."""
     import json
 
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-           os.path.join(out, "log"), "--nproc_per_node", "2", driver, "--config", config,
-           "--out", out, "--ref", ref, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "paddle.distributed.launch",
+        "--log_dir",
+        os.path.join(out, "log"),
+        "--nproc_per_node",
+        "2",
+        driver,
+        "--config",
+        config,
+        "--out",
+        out,
+        "--ref",
+        ref,
+        *extra,
+    ]
     run(cmd, out, f"{config} (2 ranks)", timeout)
     results = []
     for rank in (0, 1):

@@ -13,6 +13,7 @@ Needs PaddleNLP 2.8.1 (``nox -s fleet``).  Paddle's missing CPU pieces are stood
 in-place all-reduce after ``RowParallelLinear``'s linear included).  The same paths through
 PaddleNLP's Trainer and ``llm/run_pretrain.py``: test_llm_script_parallel.py.
 """
+
 import json
 import os
 import sys
@@ -84,19 +85,25 @@ def _skip_sp_overlap_on_paddle2():
     from paddle.distributed.fleet.utils import sequence_parallel_utils
 
     has_class = hasattr(sequence_parallel_utils, "SPInnerOverlapLinear")
-    has_flag = hasattr(fleet.DistributedStrategy().hybrid_configs["mp_configs"],
-                       "sp_async_reduce_scatter")
+    has_flag = hasattr(
+        fleet.DistributedStrategy().hybrid_configs["mp_configs"], "sp_async_reduce_scatter"
+    )
     if paddle.__version__.startswith("2."):
         assert not has_class and not has_flag, paddle.__version__
-        pytest.skip(f"Paddle {paddle.__version__} has no SPInnerOverlapLinear "
-                    "(mp_configs.sp_async_reduce_scatter): a Paddle 3.x feature")
+        pytest.skip(
+            f"Paddle {paddle.__version__} has no SPInnerOverlapLinear "
+            "(mp_configs.sp_async_reduce_scatter): a Paddle 3.x feature"
+        )
     assert has_class and has_flag, paddle.__version__
 
 
 # the llama decoder layers' recompute mode; pp2_interval runs fleet's recompute_hybrid (a
 # PyLayer without use_reentrant): one mode
-RUNS = [(c, m) for c in CASES for m in (("non_reentrant",) if c == "pp2_interval"
-                                        else ("non_reentrant", "reentrant"))]
+RUNS = [
+    (c, m)
+    for c in CASES
+    for m in (("non_reentrant",) if c == "pp2_interval" else ("non_reentrant", "reentrant"))
+]
 
 
 @pytest.mark.parametrize("config,mode", RUNS, ids=[f"{c}-{m}" for c, m in RUNS])
@@ -104,10 +111,30 @@ def test_two_ranks_match_one_process(config, mode, reference, tmp_path):
     if config in SP_OVERLAP:
         _skip_sp_overlap_on_paddle2()
     results = launch(tmp_path, config, reference(CASES[config]), mode)
-    print("\n" + config + " " + mode + ": " + json.dumps(
-        [{k: r[k] for k in ("rank", "paddle", "loss_diff", "grad_diff", "recompute", "linear",
-                            "paddle_c_ops")}
-         for r in results]))
+    print(
+        "\n"
+        + config
+        + " "
+        + mode
+        + ": "
+        + json.dumps(
+            [
+                {
+                    k: r[k]
+                    for k in (
+                        "rank",
+                        "paddle",
+                        "loss_diff",
+                        "grad_diff",
+                        "recompute",
+                        "linear",
+                        "paddle_c_ops",
+                    )
+                }
+                for r in results
+            ]
+        )
+    )
     for r in results:
         where = f"{config} {mode} rank {r['rank']}"
         assert r["loss_diff"] <= TOL, (where, r["losses"], r["ref_losses"])

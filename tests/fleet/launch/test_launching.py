@@ -1,6 +1,7 @@
 """launching.run's one retry: a 2-rank launch whose gloo rendezvous was refused before any rank
 wrote a result (a port race between concurrent launches) is repeated once; every other failure
 fails the test with the rank logs.  Fake drivers, no paddle_mgrad and no PaddleNLP needed."""
+
 import os
 import sys
 
@@ -30,8 +31,18 @@ def _run(tmp_path, mode):
     driver.write_text(DRIVER)
     out = str(tmp_path / "out")
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-           os.path.join(out, "log"), "--nproc_per_node", "2", str(driver), mode, out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "paddle.distributed.launch",
+        "--log_dir",
+        os.path.join(out, "log"),
+        "--nproc_per_node",
+        "2",
+        str(driver),
+        mode,
+        out,
+    ]
     run(cmd, out, f"fake {mode}", 300)
     return out
 

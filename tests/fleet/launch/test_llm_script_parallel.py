@@ -29,6 +29,7 @@ not by the script; Paddle's PyLayers (in-place all-reduce included) run as they 
 sitecustomize writes each rank's evidence (audit, paddle_mgrad's counters, which
 paddle_mgrad ran, how often each stand-in ran).
 """
+
 import json
 import os
 import sys
@@ -53,27 +54,62 @@ TOL = 1e-5
 MAX_STEPS, ACCUM, BATCH, LAYERS = 3, 2, 2, 2
 MICRO = MAX_STEPS * ACCUM
 COLUMN_LINEARS = 5  # llama: q, k, v, gate, up per decoder layer
-STEPS = ["--max_steps", str(MAX_STEPS), "--gradient_accumulation_steps", str(ACCUM),
-         "--learning_rate", "1.0", "--adam_epsilon", "1.0", "--warmup_steps", "0",
-         "--logging_steps", "1",
-         "--save_steps", "1000", "--report_to", "none", "--seed", "42",
-         "--dataloader_num_workers", "0", "--max_seq_length", "64"]
-MGRAD = ["--amp_master_grad", "--bf16", "--fp16_opt_level", "O2", "--recompute", "true",
-         "--recompute_granularity", "full"]
+STEPS = [
+    "--max_steps",
+    str(MAX_STEPS),
+    "--gradient_accumulation_steps",
+    str(ACCUM),
+    "--learning_rate",
+    "1.0",
+    "--adam_epsilon",
+    "1.0",
+    "--warmup_steps",
+    "0",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "1000",
+    "--report_to",
+    "none",
+    "--seed",
+    "42",
+    "--dataloader_num_workers",
+    "0",
+    "--max_seq_length",
+    "64",
+]
+MGRAD = [
+    "--amp_master_grad",
+    "--bf16",
+    "--fp16_opt_level",
+    "O2",
+    "--recompute",
+    "true",
+    "--recompute_granularity",
+    "full",
+]
 TP2 = ["--tensor_parallel_degree", "2"]
 
 # name -> (model, flags, per-device batch); global batch = BATCH x ACCUM per step everywhere
 CONFIGS = {
     "tp2_async": ("llama", TP2 + ["--tensor_parallel_config", "enable_mp_async_allreduce"], BATCH),
-    "tp2_async_fused": ("llama", TP2 + ["--tensor_parallel_config",
-                                       "enable_mp_async_allreduce "
-                                       "enable_mp_fused_linear_param_grad_add"], BATCH),
+    "tp2_async_fused": (
+        "llama",
+        TP2
+        + [
+            "--tensor_parallel_config",
+            "enable_mp_async_allreduce enable_mp_fused_linear_param_grad_add",
+        ],
+        BATCH,
+    ),
     "tp2_sp": ("llama", TP2 + ["--sequence_parallel", "true"], BATCH),
-    "pp2_qwen_hybrid": ("qwen", ["--pipeline_parallel_degree", "2",
-                                 "--pp_recompute_interval", "1"], BATCH),
+    "pp2_qwen_hybrid": (
+        "qwen",
+        ["--pipeline_parallel_degree", "2", "--pp_recompute_interval", "1"],
+        BATCH,
+    ),
     "pp2_llama": ("llama", ["--pipeline_parallel_degree", "2"], BATCH),
-    "sharding1": ("llama", ["--sharding", "stage1", "--sharding_parallel_degree", "2"],
-                  BATCH // 2),
+    "sharding1": ("llama", ["--sharding", "stage1", "--sharding_parallel_degree", "2"], BATCH // 2),
 }
 MODES = ("reentrant", "non_reentrant")
 
@@ -90,18 +126,33 @@ def save_model(kind, path):
     import paddle
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM, QWenConfig, QWenForCausalLM
 
-    common = dict(vocab_size=384, hidden_size=64, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, max_position_embeddings=64, seq_length=64,
-                  use_flash_attention=False, use_fused_rms_norm=False, use_fused_rope=False,
-                  dtype="float32")
+    common = dict(
+        vocab_size=384,
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        seq_length=64,
+        use_flash_attention=False,
+        use_fused_rms_norm=False,
+        use_fused_rope=False,
+        dtype="float32",
+    )
     paddle.seed(2024)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(intermediate_size=128, num_key_value_heads=4,
-                                             rms_norm_eps=1e-6, **common))
+        model = LlamaForCausalLM(
+            LlamaConfig(intermediate_size=128, num_key_value_heads=4, rms_norm_eps=1e-6, **common)
+        )
     else:  # QWen's MLP width is intermediate_size // 2
-        model = QWenForCausalLM(QWenConfig(intermediate_size=256, kv_channels=16,
-                                           use_dynamic_ntk=False, use_logn_attn=False,
-                                           **common))
+        model = QWenForCausalLM(
+            QWenConfig(
+                intermediate_size=256,
+                kv_channels=16,
+                use_dynamic_ntk=False,
+                use_logn_attn=False,
+                **common,
+            )
+        )
     model.save_pretrained(str(path))
 
 
@@ -121,8 +172,17 @@ def run(tmp, name, kind_dir, flags, mode, nproc, extra_env=None):
         wrapper = tmp / "zlib_first.py"
         wrapper.write_text(ZLIB_FIRST)
         script = [str(wrapper), SCRIPT]
-    argv = [*script, "--output_dir", str(out_dir), "--model_name_or_path", str(kind_dir),
-            "--continue_training", "true", *STEPS, *flags]
+    argv = [
+        *script,
+        "--output_dir",
+        str(out_dir),
+        "--model_name_or_path",
+        str(kind_dir),
+        "--continue_training",
+        "true",
+        *STEPS,
+        *flags,
+    ]
     rc, out = launch(argv, out_dir, nproc, env, TIMEOUT, tmp)
     errors = sorted({ln.strip() for ln in out.splitlines() if "Error: " in ln})
     assert rc == 0, f"{name} exited {rc}: {errors[-6:]}\n{out[-12000:]}"
@@ -143,8 +203,14 @@ def reference(tmp_path_factory):
         if kind not in cache:
             tmp = tmp_path_factory.mktemp(f"ref_{kind}")
             save_model(kind, tmp / "model")
-            out = run(tmp, "plain", tmp / "model", ["--per_device_train_batch_size", str(BATCH)],
-                      "plain", 1)
+            out = run(
+                tmp,
+                "plain",
+                tmp / "model",
+                ["--per_device_train_batch_size", str(BATCH)],
+                "plain",
+                1,
+            )
             cache[kind] = (tmp / "model", losses(out))
             assert len(cache[kind][1]) == MAX_STEPS, cache[kind]
         return cache[kind]
@@ -158,17 +224,31 @@ def test_llm_script_two_ranks_match_one_process(config, mode, reference, tmp_pat
     kind, flags, batch = CONFIGS[config]
     model_dir, ref_losses = reference(kind)
     reentrant = "true" if mode == "reentrant" else "false"
-    out = run(tmp_path, config, model_dir,
-              [*MGRAD, "--recompute_use_reentrant", reentrant,
-               "--per_device_train_batch_size", str(batch), *flags], "mgrad", 2)
+    out = run(
+        tmp_path,
+        config,
+        model_dir,
+        [
+            *MGRAD,
+            "--recompute_use_reentrant",
+            reentrant,
+            "--per_device_train_batch_size",
+            str(batch),
+            *flags,
+        ],
+        "mgrad",
+        2,
+    )
     got = losses(out)
     diffs = [abs(a - b) for a, b in zip(got, ref_losses)]
     audits = [json.load(open(out / "audit" / f"audit.{r}.json")) for r in (0, 1)]
     import paddle
 
-    print(f"\nMEASURED llm-script {config} {mode} paddle {paddle.__version__}: losses {got} vs "
-          f"one process {ref_losses}; max |loss diff| {max(diffs):.3g}; recompute "
-          f"{[a['recompute'] for a in audits]}; stand-ins {[a['fleet_standins'] for a in audits]}")
+    print(
+        f"\nMEASURED llm-script {config} {mode} paddle {paddle.__version__}: losses {got} vs "
+        f"one process {ref_losses}; max |loss diff| {max(diffs):.3g}; recompute "
+        f"{[a['recompute'] for a in audits]}; stand-ins {[a['fleet_standins'] for a in audits]}"
+    )
     assert len(got) == MAX_STEPS and max(diffs) <= TOL, (got, ref_losses)
     for a in audits:
         where = f"{config} {mode} rank {a['rank']}"
@@ -186,17 +266,31 @@ def test_llm_script_policy(config, policy, reference, tmp_path):
     rank."""
     kind, flags, batch = CONFIGS[config]
     model_dir, ref_losses = reference(kind)
-    out = run(tmp_path, config, model_dir,
-              [*MGRAD, "--recompute_use_reentrant", "false",
-               "--per_device_train_batch_size", str(batch), *flags], "mgrad", 2,
-              {"PADDLE_MGRAD_RECOMPUTE_POLICY": policy})
+    out = run(
+        tmp_path,
+        config,
+        model_dir,
+        [
+            *MGRAD,
+            "--recompute_use_reentrant",
+            "false",
+            "--per_device_train_batch_size",
+            str(batch),
+            *flags,
+        ],
+        "mgrad",
+        2,
+        {"PADDLE_MGRAD_RECOMPUTE_POLICY": policy},
+    )
     got = losses(out)
     diffs = [abs(a - b) for a, b in zip(got, ref_losses)]
     audits = [json.load(open(out / "audit" / f"audit.{r}.json")) for r in (0, 1)]
     import paddle
 
-    print(f"\nMEASURED llm-script {config} {policy} policy paddle {paddle.__version__}: max |loss "
-          f"diff| {max(diffs):.3g}; policy {[a['policy'] for a in audits]}")
+    print(
+        f"\nMEASURED llm-script {config} {policy} policy paddle {paddle.__version__}: max |loss "
+        f"diff| {max(diffs):.3g}; policy {[a['policy'] for a in audits]}"
+    )
     assert len(got) == MAX_STEPS and max(diffs) <= TOL, (got, ref_losses)
     for a in audits:
         where = f"{config} {policy} rank {a['rank']}"
@@ -235,8 +329,10 @@ def check_rank(config, kind, mode, a, where):
         # Paddle's own in-place mp_allreduce_eager (RowParallelLinear, VocabParallelEmbedding)
         assert st.get("all_reduce_on_calc_stream", 0) > 0, (where, st)
         assert st.get("c_softmax_with_cross_entropy", 0) == MICRO, (where, st)
-        assert "RowParallelLinear" in a["layer_types"] or "RowSequenceParallelLinear" in a[
-            "layer_types"], where
+        assert (
+            "RowParallelLinear" in a["layer_types"]
+            or "RowSequenceParallelLinear" in a["layer_types"]
+        ), where
     if config in ("tp2_async", "tp2_async_fused"):
         assert "ColumnParallelLinear" in a["layer_types"], where
         assert lin["overlap_backward"] == COLUMN_LINEARS * LAYERS * MICRO, (where, lin)

@@ -9,6 +9,7 @@ Paddle 3.3.1's DualPipeV does not run on a CPU wheel as is (``deep_ep``, CUDA st
 p2p); ``cpu_dualpipev_standins.py`` (test-only) says where and stands in.  Paddle 2.6 has no
 DualPipeV (asserted, then skipped).
 """
+
 import json
 import os
 import sys
@@ -39,8 +40,11 @@ def _paddle_has_dualpipev():
         has = False
     if paddle.__version__.startswith("2."):
         assert not has, paddle.__version__
-        pytest.skip(f"Paddle {paddle.__version__} has no DualPipeV / zero_bubble_utils "
-                    "(Paddle 3.x; asserted absent)", allow_module_level=True)
+        pytest.skip(
+            f"Paddle {paddle.__version__} has no DualPipeV / zero_bubble_utils "
+            "(Paddle 3.x; asserted absent)",
+            allow_module_level=True,
+        )
     assert has, paddle.__version__
 
 
@@ -67,8 +71,12 @@ def test_dualpipev_two_ranks_match_one_process(config, reference, tmp_path):
     micro = ACC * STEPS
     for rank, r in enumerate(results):
         where = f"{config} rank {rank}"
-        print(where, json.dumps({k: r[k] for k in ("loss_diff", "grad_diff", "deferred",
-                                                   "linear", "recompute")}))
+        print(
+            where,
+            json.dumps(
+                {k: r[k] for k in ("loss_diff", "grad_diff", "deferred", "linear", "recompute")}
+            ),
+        )
         assert r["model"] == "DualPipeVParallel" and r["blocks"] == BLOCKS[rank], (where, r)
         assert r["loss_diff"] <= TOL, (where, r["losses"], r["ref_losses"])
         assert r["grad_diff"] is not None and r["grad_diff"] <= TOL, where
@@ -79,7 +87,9 @@ def test_dualpipev_two_ranks_match_one_process(config, reference, tmp_path):
         lin = r["linear"]
         if on:  # every weight gradient, deferred or not, went through our op
             assert lin["zero_bubble"] == lin["into_main_grad"] == WEIGHTS_PER_RANK * micro, (
-                where, lin)
+                where,
+                lin,
+            )
             assert r["fused_params"] == r["weights"], where
         else:
             assert lin["zero_bubble"] == 0 and r["fused_params"] == [], (where, lin)

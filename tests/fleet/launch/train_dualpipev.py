@@ -20,6 +20,7 @@ same global batch and saves its losses and the gradients of step 0.  A distribut
 ``.grad``, how many weight gradients the schedule deferred (``WeightGradStore.put``) and
 paddle_mgrad's counters.
 """
+
 import argparse
 import json
 import os
@@ -35,9 +36,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, ACC, MB, WIDTH, N_BLOCKS = 2, 4, 2, 8, 4  # DualPipeV needs ACC >= 2 * ranks
 LR = 0.5
 # name -> (paddle_mgrad on, recompute's use_reentrant: None = no recompute)
-CONFIGS = {"ref": (False, None), "dualpipev": (True, None), "dualpipev_recompute": (True, False),
-           "dualpipev_recompute_reentrant": (True, True),
-           "dualpipev_paddle": (False, None)}  # control: Paddle's own grad_weight_fn
+CONFIGS = {
+    "ref": (False, None),
+    "dualpipev": (True, None),
+    "dualpipev_recompute": (True, False),
+    "dualpipev_recompute_reentrant": (True, True),
+    "dualpipev_paddle": (False, None),
+}  # control: Paddle's own grad_weight_fn
 
 
 class Block(paddle.nn.Layer):
@@ -86,8 +91,12 @@ def data():
 
 def names(model):
     """Stable names '<block index>.<param path>' whatever the container."""
-    return {p.name: f"{layer.index}.{n}" for layer in model.sublayers() if isinstance(layer, Block)
-            for n, p in layer.named_parameters()}
+    return {
+        p.name: f"{layer.index}.{n}"
+        for layer in model.sublayers()
+        if isinstance(layer, Block)
+        for n, p in layer.named_parameters()
+    }
 
 
 def write(path, obj):
@@ -141,8 +150,13 @@ def run_distributed(name, out, ref_dir):
     if on:
         paddle_mgrad.enable(recompute=True, fused_linear=True)
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 2,
-                               "sharding_degree": 1, "pp_configs": {"use_dualpipev": True}}
+    strategy.hybrid_configs = {
+        "dp_degree": 1,
+        "mp_degree": 1,
+        "pp_degree": 2,
+        "sharding_degree": 1,
+        "pp_configs": {"use_dualpipev": True},
+    }
     strategy.pipeline_configs = {"accumulate_steps": ACC, "micro_batch_size": MB}
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
@@ -163,12 +177,17 @@ def run_distributed(name, out, ref_dir):
 
     zb.WeightGradStore.put = classmethod(put)
 
-    model = PipelineLayer(layers=[LayerDesc(Block, i, use_reentrant) for i in range(N_BLOCKS)],
-                          loss_fn=loss_fn, topology=hcg.topology(), use_dualpipev=True)
+    model = PipelineLayer(
+        layers=[LayerDesc(Block, i, use_reentrant) for i in range(N_BLOCKS)],
+        loss_fn=loss_fn,
+        topology=hcg.topology(),
+        use_dualpipev=True,
+    )
     key = names(model)
     MixPrecisionLayer(model, dtype="bfloat16")  # --amp_master_grad (PP keeps the PipelineLayer)
-    opt = MixPrecisionOptimizer(paddle.optimizer.SGD(learning_rate=LR,
-                                                     parameters=model.parameters()))
+    opt = MixPrecisionOptimizer(
+        paddle.optimizer.SGD(learning_rate=LR, parameters=model.parameters())
+    )
     model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
     stats.reset()
@@ -177,8 +196,9 @@ def run_distributed(name, out, ref_dir):
     losses, grad_diff, not_in_main_grad, grad_leaks = [], {}, [], []
     for s in range(STEPS):
         # what DualPipeVParallel.train_batch does, with a look at main_grad before the step
-        batch = model._prepare_training([paddle.to_tensor(xs[s]), paddle.to_tensor(ys[s])],
-                                        opt, None)
+        batch = model._prepare_training(
+            [paddle.to_tensor(xs[s]), paddle.to_tensor(ys[s])], opt, None
+        )
         loss = model.forward_backward_pipeline(batch, None)
         losses.append(float(loss.numpy().reshape([-1])[0]))
         if s == 0:
@@ -195,18 +215,28 @@ def run_distributed(name, out, ref_dir):
     snap = stats.snapshot()
     weights = sorted(key[p.name] for p in model.parameters() if len(p.shape) == 2)
     result = {
-        "config": name, "rank": rank, "paddle": paddle.__version__,
-        "model": type(model).__name__, "losses": losses, "ref_losses": ref["losses"],
+        "config": name,
+        "rank": rank,
+        "paddle": paddle.__version__,
+        "model": type(model).__name__,
+        "losses": losses,
+        "ref_losses": ref["losses"],
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
         "grad_diff": max(grad_diff.values()) if grad_diff else None,
-        "n_params": len(grad_diff) + len(not_in_main_grad), "blocks": sorted(
-            {k.split(".")[0] for k in grad_diff}),
-        "not_in_main_grad": not_in_main_grad, "grad_leaks": grad_leaks,
-        "weights": weights, "fused_params": sorted(key[n] for n in snap["fused_params"] if n in key),
-        "deferred": len(deferred), "recompute": snap["recompute"], "linear": snap["linear"],
+        "n_params": len(grad_diff) + len(not_in_main_grad),
+        "blocks": sorted({k.split(".")[0] for k in grad_diff}),
+        "not_in_main_grad": not_in_main_grad,
+        "grad_leaks": grad_leaks,
+        "weights": weights,
+        "fused_params": sorted(key[n] for n in snap["fused_params"] if n in key),
+        "deferred": len(deferred),
+        "recompute": snap["recompute"],
+        "linear": snap["linear"],
     }
     write(os.path.join(out, f"rank{rank}.json"), result)
-    print("RESULT", json.dumps({k: result[k] for k in ("config", "rank", "loss_diff", "grad_diff")}))
+    print(
+        "RESULT", json.dumps({k: result[k] for k in ("config", "rank", "loss_diff", "grad_diff")})
+    )
     sys.stdout.flush()
 
 

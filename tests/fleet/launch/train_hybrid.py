@@ -21,6 +21,7 @@ losses, the largest difference between its fp32 ``main_grad`` after step 0 and t
 reference gradient (its shard; sharding: averaged over ranks), the parameters whose
 gradient was not in ``main_grad``, and paddle_mgrad's counters.
 """
+
 import argparse
 import json
 import os
@@ -44,17 +45,27 @@ CONFIGS = {
     "tp2": ("llama", {"mp_degree": 2}, {}, False),
     "tp2_sp": ("llama", {"mp_degree": 2}, {}, True),
     "tp2_async": ("llama", {"mp_degree": 2}, {"mp_async_allreduce": True}, False),
-    "tp2_fused_gradadd": ("llama", {"mp_degree": 2},
-                          {"mp_async_allreduce": True, "mp_fused_linear_param_grad_add": True},
-                          False),
+    "tp2_fused_gradadd": (
+        "llama",
+        {"mp_degree": 2},
+        {"mp_async_allreduce": True, "mp_fused_linear_param_grad_add": True},
+        False,
+    ),
     # Paddle 3.x: ColumnSequenceParallelLinear runs SPInnerOverlapLinear (dx reduce-scatter
     # overlapped with dW); its fused-grad-add path needs mp_async_allreduce as well; the
     # second config also re-gathers the input in backward (recompute_allgather)
     "tp2_sp_overlap": ("llama", {"mp_degree": 2}, {"sp_async_reduce_scatter": True}, True),
-    "tp2_sp_overlap_fused": ("llama", {"mp_degree": 2},
-                             {"sp_async_reduce_scatter": True, "mp_async_allreduce": True,
-                              "mp_fused_linear_param_grad_add": True,
-                              "recompute_allgather": True}, True),
+    "tp2_sp_overlap_fused": (
+        "llama",
+        {"mp_degree": 2},
+        {
+            "sp_async_reduce_scatter": True,
+            "mp_async_allreduce": True,
+            "mp_fused_linear_param_grad_add": True,
+            "recompute_allgather": True,
+        },
+        True,
+    ),
     "sharding1": ("llama", {"sharding_degree": 2}, {}, False),
     "pp2": ("llama_pipe", {"pp_degree": 2}, {}, False),
     "pp2_interval": ("toy_pipe", {"pp_degree": 2}, {}, False),
@@ -70,14 +81,30 @@ def llama_config(mp=1, rank=0, sp=False, recompute=True, reentrant=False):
     from paddlenlp.transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        rms_norm_eps=1e-6, tensor_parallel_degree=mp, tensor_parallel_rank=rank,
-        tensor_parallel_output=False, sequence_parallel=sp, use_flash_attention=False,
-        use_fused_rms_norm=False, use_fused_rope=False, fuse_attention_qkv=False,
-        fuse_attention_ffn=False, recompute=recompute, use_recompute=recompute,
-        recompute_granularity="full", recompute_use_reentrant=reentrant, dtype="float32",
-        seq_length=SEQ)
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tensor_parallel_degree=mp,
+        tensor_parallel_rank=rank,
+        tensor_parallel_output=False,
+        sequence_parallel=sp,
+        use_flash_attention=False,
+        use_fused_rms_norm=False,
+        use_fused_rope=False,
+        fuse_attention_qkv=False,
+        fuse_attention_ffn=False,
+        recompute=recompute,
+        use_recompute=recompute,
+        recompute_granularity="full",
+        recompute_use_reentrant=reentrant,
+        dtype="float32",
+        seq_length=SEQ,
+    )
 
 
 # ---------------------------------------------------------------- toy pipeline model
@@ -125,7 +152,8 @@ class ToyHead(paddle.nn.Layer):
 
 def toy_loss(logits, labels):
     return paddle.nn.functional.cross_entropy(
-        logits.reshape([-1, VOCAB]), labels.reshape([-1, 1])).mean()
+        logits.reshape([-1, VOCAB]), labels.reshape([-1, 1])
+    ).mean()
 
 
 N_TOY_BLOCKS = 4
@@ -152,8 +180,11 @@ def main_grads(model, names):
         if p.stop_gradient:
             continue
         mg = getattr(p, "main_grad", None)
-        out[names[p.name]] = (None if mg is None else mg.numpy().copy(), str(mg.dtype) if mg is not None else None,
-                              p.grad is not None)
+        out[names[p.name]] = (
+            None if mg is None else mg.numpy().copy(),
+            str(mg.dtype) if mg is not None else None,
+            p.grad is not None,
+        )
     return out
 
 
@@ -259,7 +290,7 @@ def run_distributed(name, out, ref_dir, reentrant=False):
                 # PaddleNLP's own tensor-parallel split actions (keys without the "llama." prefix)
                 actions = LlamaForCausalLM._get_tensor_parallel_mappings(cfg, is_split=True)
                 for k in init:
-                    short = k[len("llama."):] if k.startswith("llama.") else k
+                    short = k[len("llama.") :] if k.startswith("llama.") else k
                     if short in actions:
                         split[k] = actions[short]
             model.set_state_dict({k: (split[k](v) if k in split else v) for k, v in init.items()})
@@ -273,12 +304,23 @@ def run_distributed(name, out, ref_dir, reentrant=False):
         from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
 
         cpu_fleet_standins.install(pipeline=True)
-        descs = ([LayerDesc(ToyEmbed)] + [LayerDesc(ToyBlock, i) for i in range(N_TOY_BLOCKS)]
-                 + [LayerDesc(ToyHead)])
-        model = PipelineLayer(layers=descs, loss_fn=toy_loss, topology=hcg.topology(),
-                              seg_method="uniform", recompute_interval=1,
-                              recompute_ctx={"mp_group": hcg.get_model_parallel_group(),
-                                             "offload": True, "partition": False})
+        descs = (
+            [LayerDesc(ToyEmbed)]
+            + [LayerDesc(ToyBlock, i) for i in range(N_TOY_BLOCKS)]
+            + [LayerDesc(ToyHead)]
+        )
+        model = PipelineLayer(
+            layers=descs,
+            loss_fn=toy_loss,
+            topology=hcg.topology(),
+            seg_method="uniform",
+            recompute_interval=1,
+            recompute_ctx={
+                "mp_group": hcg.get_model_parallel_group(),
+                "offload": True,
+                "partition": False,
+            },
+        )
         names = toy_names(model)
 
     for layer in model.sublayers(include_self=True):  # what Trainer does for --recompute
@@ -295,7 +337,9 @@ def run_distributed(name, out, ref_dir, reentrant=False):
     if hybrid["pp_degree"] == 1:  # as PaddleNLP's Trainer: PP keeps the PipelineLayer itself
         model = wrapped
     lr = LR["toy" if kind == "toy_pipe" else "llama"]
-    opt = MixPrecisionOptimizer(paddle.optimizer.SGD(learning_rate=lr, parameters=model.parameters()))
+    opt = MixPrecisionOptimizer(
+        paddle.optimizer.SGD(learning_rate=lr, parameters=model.parameters())
+    )
     model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
     stats.reset()
@@ -316,7 +360,7 @@ def run_distributed(name, out, ref_dir, reentrant=False):
                     rows = batches[s, m]
                     if sharding:
                         half = GB // 2
-                        rows = rows[hcg.get_sharding_parallel_rank() * half:][:half]
+                        rows = rows[hcg.get_sharding_parallel_rank() * half :][:half]
                     ids, labels = paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])
                     loss = model(input_ids=ids, labels=labels)[0]
                     (loss / ACC).backward()
@@ -352,27 +396,46 @@ def run_distributed(name, out, ref_dir, reentrant=False):
     linear_layers = []
     for layer in model.sublayers():
         w = getattr(layer, "weight", None)
-        if w is not None and len(w.shape) == 2 and type(layer).__name__ in (
-                "Linear", "ColumnParallelLinear", "RowParallelLinear",
-                "ColumnSequenceParallelLinear", "RowSequenceParallelLinear"):
+        if (
+            w is not None
+            and len(w.shape) == 2
+            and type(layer).__name__
+            in (
+                "Linear",
+                "ColumnParallelLinear",
+                "RowParallelLinear",
+                "ColumnSequenceParallelLinear",
+                "RowSequenceParallelLinear",
+            )
+        ):
             linear_layers.append(names[w.name])
     fused = sorted(names[n] for n in snap["fused_params"] if n in names)
     result = {
-        "config": name, "rank": rank, "paddle": paddle.__version__, "reentrant": reentrant,
-        "losses": losses, "ref_losses": ref["losses"],
+        "config": name,
+        "rank": rank,
+        "paddle": paddle.__version__,
+        "reentrant": reentrant,
+        "losses": losses,
+        "ref_losses": ref["losses"],
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
         "grad_diff": max(grad_diff.values()) if grad_diff else None,
         "n_params": len(grad_diff) + len(not_in_main_grad),
-        "not_in_main_grad": not_in_main_grad, "grad_leaks": grad_leaks,
-        "linear_weights": sorted(linear_layers), "fused_params": fused,
+        "not_in_main_grad": not_in_main_grad,
+        "grad_leaks": grad_leaks,
+        "linear_weights": sorted(linear_layers),
+        "fused_params": fused,
         "layer_types": sorted({type(layer).__name__ for layer in model.sublayers()}),
-        "recompute": snap["recompute"], "linear": snap["linear"],
-        "paddle_c_ops": snap["paddle_c_ops"], "sp_overlap_class": sp_overlap_class(),
+        "recompute": snap["recompute"],
+        "linear": snap["linear"],
+        "paddle_c_ops": snap["paddle_c_ops"],
+        "sp_overlap_class": sp_overlap_class(),
         "audit": audit.summary(),
     }
     result["audit"].pop("fused_names", None)
     write(os.path.join(out, f"rank{rank}.json"), result)
-    print("RESULT", json.dumps({k: result[k] for k in ("config", "rank", "loss_diff", "grad_diff")}))
+    print(
+        "RESULT", json.dumps({k: result[k] for k in ("config", "rank", "loss_diff", "grad_diff")})
+    )
     sys.stdout.flush()
 
 
@@ -381,8 +444,12 @@ def main():
     ap.add_argument("--config", required=True, choices=sorted(CONFIGS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--ref", help="directory of the reference run")
-    ap.add_argument("--recompute_use_reentrant", default="false", choices=["true", "false"],
-                    help="the llama decoder layers' recompute mode (PaddleNLP's flag)")
+    ap.add_argument(
+        "--recompute_use_reentrant",
+        default="false",
+        choices=["true", "false"],
+        help="the llama decoder layers' recompute mode (PaddleNLP's flag)",
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.config.startswith("ref_"):

@@ -8,13 +8,19 @@ from there, not copied), hooked on PaddleFormers' Trainer instead of PaddleNLP's
   ``Trainer.train`` to attach ``paddle_mgrad.diagnostics.audit.MainGradAudit`` and write ``audit.<rank>.json``.
 Imports nothing heavy at start: no paddle.
 """
+
 import importlib.util
 import os
 
 _spec = importlib.util.spec_from_file_location(
     "pmg_test_nlp_evidence",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                 "nlp", "evidence", "sitecustomize.py"))
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "nlp",
+        "evidence",
+        "sitecustomize.py",
+    ),
+)
 _nlp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_nlp)  # runs the .pth (PMG_TEST_PTH_DIR); its PaddleNLP hook stays idle
 

@@ -15,6 +15,7 @@ tests/nlp/test_paddlenlp_llm.py; never part of the package).
   the audit then also records how often each stand-in ran.
 Imports nothing heavy at start: no paddle.
 """
+
 import os
 import sys
 
@@ -73,19 +74,30 @@ def _instrument(trainer_module):
             out = {
                 "rank": int(os.environ.get("PADDLE_TRAINER_ID", "0")),
                 "audit": audit.summary(),
-                "recompute": {k: after["recompute"][k] - before["recompute"][k]
-                              for k in after["recompute"]},
+                "recompute": {
+                    k: after["recompute"][k] - before["recompute"][k] for k in after["recompute"]
+                },
                 "linear": {k: after["linear"][k] - before["linear"][k] for k in after["linear"]},
-                "policy": {name: {k: n - before["policy"].get(name, {}).get(k, 0)
-                                  for k, n in counters.items()}
-                           for name, counters in after["policy"].items()},
-                "paddle_c_ops": {k: after["paddle_c_ops"][k] - before["paddle_c_ops"][k]
-                                 for k in after["paddle_c_ops"]},
+                "policy": {
+                    name: {
+                        k: n - before["policy"].get(name, {}).get(k, 0) for k, n in counters.items()
+                    }
+                    for name, counters in after["policy"].items()
+                },
+                "paddle_c_ops": {
+                    k: after["paddle_c_ops"][k] - before["paddle_c_ops"][k]
+                    for k in after["paddle_c_ops"]
+                },
                 "installed": registry.installed_keys(),
                 "F_linear_is_paddle_function": paddle.nn.functional.linear
                 is paddle.nn.functional.common.linear,
-                "main_grad_dtypes": sorted({str(p.main_grad.dtype) for p in self.model.parameters()
-                                            if getattr(p, "main_grad", None) is not None}),
+                "main_grad_dtypes": sorted(
+                    {
+                        str(p.main_grad.dtype)
+                        for p in self.model.parameters()
+                        if getattr(p, "main_grad", None) is not None
+                    }
+                ),
                 "paddle_mgrad_file": sys.modules["paddle_mgrad"].__file__,
                 "model_class": type(self.model).__name__,
                 "layer_types": sorted({type(layer).__name__ for layer in self.model.sublayers()}),
@@ -104,8 +116,9 @@ def _instrument(trainer_module):
 def _standin(_trainer_module):
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "cpu_nlp_standins.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cpu_nlp_standins.py"
+    )
     spec = importlib.util.spec_from_file_location("pmg_test_cpu_nlp_standins", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -134,6 +147,9 @@ def _on_trainer_import(trainer_module):
         _instrument(trainer_module)
 
 
-if (os.environ.get("PMG_TEST_AUDIT_DIR") or os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1"
-        or os.environ.get("PMG_TEST_FLEET_CPU_STANDINS") == "1"):
+if (
+    os.environ.get("PMG_TEST_AUDIT_DIR")
+    or os.environ.get("PMG_TEST_PADDLENLP_CPU_SYNC_STANDIN") == "1"
+    or os.environ.get("PMG_TEST_FLEET_CPU_STANDINS") == "1"
+):
     _after_import("paddlenlp.trainer.trainer", _on_trainer_import)

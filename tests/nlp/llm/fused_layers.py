@@ -8,6 +8,7 @@ Knows nothing about paddle_mgrad.  On CPU, plain Paddle has no kernel for that o
 non-reentrant recompute hands ``weight`` back as a ``<name>cpy`` copy without ``main_grad``
 (2.6) and rejects the None bias (2.6).
 """
+
 import paddle
 from paddle import _C_ops
 
@@ -30,7 +31,8 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
         if bias is None:
             if hasattr(weight, "main_grad"):
                 weight.main_grad, _ = _C_ops.fused_linear_param_grad_add(
-                    x, y_grad, weight.main_grad, None, True, False)
+                    x, y_grad, weight.main_grad, None, True, False
+                )
                 return x_grad, None
             if weight.grad is not None:
                 _C_ops.fused_linear_param_grad_add(x, y_grad, weight.grad, None, False, False)
@@ -40,13 +42,16 @@ class FusedLinearWithGradAdd(paddle.autograd.PyLayer):
 
         if hasattr(weight, "main_grad") and hasattr(bias, "main_grad"):
             weight.main_grad, bias.main_grad = _C_ops.fused_linear_param_grad_add(
-                x, y_grad, weight.main_grad, bias.main_grad, True, True)
+                x, y_grad, weight.main_grad, bias.main_grad, True, True
+            )
             return x_grad, None, None
         if weight.grad is not None:
             assert bias.grad is not None
             _C_ops.fused_linear_param_grad_add(x, y_grad, weight.grad, bias.grad, False, True)
             return x_grad, None, None
-        weight_grad, bias_grad = _C_ops.fused_linear_param_grad_add(x, y_grad, None, None, False, True)
+        weight_grad, bias_grad = _C_ops.fused_linear_param_grad_add(
+            x, y_grad, None, None, False, True
+        )
         return x_grad, weight_grad, bias_grad
 
 

@@ -18,6 +18,7 @@ its config from a saved model, ``--continue_training`` its weights too (split by
 ``--fuse_sequence_parallel_allreduce`` go to the model config; without a path, a tiny llama of
 the sizes below.
 """
+
 import os
 import sys
 from dataclasses import dataclass, field
@@ -37,26 +38,42 @@ from data import BlockDataset, ByteTokenizer  # noqa: E402  (the example's, no d
 class PreTrainingArguments(TrainingArguments):
     enable_linear_fused_grad_add: bool = field(
         default=False,
-        metadata={"help": "Enable fused linear grad add strategy, which will reduce elementwise "
-                          "add for grad accumulation in the backward of nn.Linear ."})
+        metadata={
+            "help": "Enable fused linear grad add strategy, which will reduce elementwise "
+            "add for grad accumulation in the backward of nn.Linear ."
+        },
+    )
 
 
 @dataclass
 class ModelArguments:
     model_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "A saved PaddleNLP model (config, weights); none: a tiny "
-                                        "llama of the sizes below."})
+        default=None,
+        metadata={
+            "help": "A saved PaddleNLP model (config, weights); none: a tiny "
+            "llama of the sizes below."
+        },
+    )
     continue_training: bool = field(
-        default=False, metadata={"help": "Pre-training from the weights of model_name_or_path."})
-    sequence_parallel: bool = field(default=False, metadata={"help": "whether to use sequence parallel"})
+        default=False, metadata={"help": "Pre-training from the weights of model_name_or_path."}
+    )
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "whether to use sequence parallel"}
+    )
     fuse_sequence_parallel_allreduce: bool = field(
-        default=False, metadata={"help": "whether to use fuse sequence parallel allreduce"})
+        default=False, metadata={"help": "whether to use fuse sequence parallel allreduce"}
+    )
     no_recompute_layers: Optional[List[int]] = field(
-        default=None, metadata={"help": "Specify the full transformer layers that should not be "
-                                        "recomputed."})
+        default=None,
+        metadata={"help": "Specify the full transformer layers that should not be recomputed."},
+    )
     pp_recompute_interval: int = field(
-        default=1, metadata={"help": "The interval for the number of layers at which recomputation "
-                                     "occurs in pipeline parallel."})
+        default=1,
+        metadata={
+            "help": "The interval for the number of layers at which recomputation "
+            "occurs in pipeline parallel."
+        },
+    )
     hidden_size: int = field(default=64)
     intermediate_size: int = field(default=128)
     num_hidden_layers: int = field(default=2)
@@ -76,9 +93,13 @@ class PretrainingTrainer(Trainer):
 
     def _get_train_sampler(self):
         return paddle.io.DistributedBatchSampler(
-            self.train_dataset, batch_size=self.args.per_device_train_batch_size, shuffle=False,
-            num_replicas=max(1, self.args.dataset_world_size), rank=max(0, self.args.dataset_rank),
-            drop_last=self.args.dataloader_drop_last)
+            self.train_dataset,
+            batch_size=self.args.per_device_train_batch_size,
+            shuffle=False,
+            num_replicas=max(1, self.args.dataset_world_size),
+            rank=max(0, self.args.dataset_rank),
+            drop_last=self.args.dataloader_drop_last,
+        )
 
 
 def main():
@@ -96,17 +117,21 @@ def main():
         config = AutoConfig.from_pretrained(model_args.model_name_or_path)
         config.seq_length = data_args.max_seq_length
         if not model_args.continue_training:
-            config.max_position_embeddings = max(config.max_position_embeddings,
-                                                 data_args.max_seq_length)
-            config.vocab_size = max(config.vocab_size,
-                                    ((tokenizer.vocab_size - 1) // 128 + 1) * 128)
+            config.max_position_embeddings = max(
+                config.max_position_embeddings, data_args.max_seq_length
+            )
+            config.vocab_size = max(
+                config.vocab_size, ((tokenizer.vocab_size - 1) // 128 + 1) * 128
+            )
     else:
         config = LlamaConfig(
-            vocab_size=tokenizer.vocab_size, hidden_size=model_args.hidden_size,
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=model_args.hidden_size,
             intermediate_size=model_args.intermediate_size,
             num_hidden_layers=model_args.num_hidden_layers,
             num_attention_heads=model_args.num_attention_heads,
-            max_position_embeddings=data_args.max_seq_length)
+            max_position_embeddings=data_args.max_seq_length,
+        )
     config.recompute_granularity = model_args.recompute_granularity
     config.recompute_use_reentrant = model_args.recompute_use_reentrant
     config.use_recompute = training_args.recompute
@@ -135,8 +160,10 @@ def main():
         from paddlenlp.transformers import register_sequence_parallel_allreduce_hooks
 
         register_sequence_parallel_allreduce_hooks(
-            model, training_args.gradient_accumulation_steps,
-            model_args.fuse_sequence_parallel_allreduce)
+            model,
+            training_args.gradient_accumulation_steps,
+            model_args.fuse_sequence_parallel_allreduce,
+        )
 
     dataset = BlockDataset(data_args.input_file, data_args.max_seq_length, tokenizer)
     trainer = PretrainingTrainer(model=model, args=training_args, train_dataset=dataset)
