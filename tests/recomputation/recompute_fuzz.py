@@ -96,9 +96,14 @@ class Case:
 
 
 @st.composite
-def cases(draw, policies=POLICIES):
+def cases(draw, policies=POLICIES, ops_with=()):
+    """A drawn case; ``ops_with``: ops every drawn block contains (at drawn places), for the
+    fuzzer's self-checks, which need a block with the pattern their mutation breaks."""
     micro = draw(st.integers(1, 3))
-    ops = tuple(draw(st.lists(st.sampled_from(OPS), min_size=1, max_size=5)))
+    ops = list(draw(st.lists(st.sampled_from(OPS), min_size=1, max_size=5)))
+    for op in ops_with:
+        ops.insert(draw(st.integers(0, len(ops))), op)
+    ops = tuple(ops)
     case = Case(
         mode=draw(st.sampled_from(("reentrant", "non_reentrant"))),
         fused=draw(st.booleans()),
