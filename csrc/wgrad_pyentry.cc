@@ -6,12 +6,15 @@
 //     place), in the same order, in one call instead of about a dozen calls into Paddle: None
 //     when the call is Paddle's, False when x's last dim does not match the weight (the caller
 //     raises its error naming the shapes), else the facts the PyLayer keeps: a
-//     RouteFacts(dtype, where) (paddle_mgrad/ops/_inputs.py, made once per combination by
-//     pmg_fast_module).  "where" is "cpu" or "gpu" for the common case of the fast backward
-//     (CPU or CUDA tensors, K, N > 0), else None.  Anything unexpected (a C++ exception reading
-//     a meta, say of an uninitialized tensor) returns NotImplemented: the caller asks Python's
-//     _route, which behaves as it always did.  stop_gradient and grad mode stay with the Python
-//     caller (attribute reads; the autograd meta's layout is not in Paddle's published headers).
+//     RouteFacts(dtype, where, main_grads) (paddle_mgrad/ops/_inputs.py, made once per
+//     combination by pmg_fast_module).  "where" is "cpu" or "gpu" for the common case of the
+//     fast backward (CPU or CUDA tensors, K, N > 0), else None.  main_grads: the weight's and
+//     bias's main_grad attributes are absent, None or dense tensors of the master dtype (the
+//     forward's check would pass and is skipped; False: the forward checks, and raises).
+//     Anything unexpected (a C++ exception reading a meta, say of an uninitialized tensor)
+//     returns NotImplemented: the caller asks Python's _route, which behaves as it always did.
+//     stop_gradient and grad mode stay with the Python caller (attribute reads; the autograd
+//     meta's layout is not in Paddle's published headers).
 //
 //   linear_bwd(x, dout, weight, dweight, dbias, has_bias) -> (dx, dweight_out, dbias_out) | None
 //     pmg_bind::FusedLinearBwd (wgrad_op.cc) called directly: dx = dout . W^T by Paddle's
@@ -66,8 +69,10 @@ namespace {
 
 namespace pb = paddle::pybind;
 
-// RouteFacts(dtype name, where), made once: the route's answers; where: None, "cpu", "gpu"
-PyObject* g_facts[4][3];
+// RouteFacts(dtype name, where, main_grads), made once: the route's answers; where: None,
+// "cpu", "gpu"
+PyObject* g_facts[4][3][2];
+PyObject* g_main_grad;  // the interned name "main_grad"
 const char* const kWhere[3] = {nullptr, "cpu", "gpu"};
 const char* const kDtypeNames[4] = {"float32", "bfloat16", "float16", "float64"};
 
@@ -104,6 +109,27 @@ bool contiguous(const paddle::Tensor& t) {
   return true;
 }
 
+// Whether p's main_grad (getattr(p, "main_grad", None), the forward's check) is None or a dense
+// tensor of dtype want: the rule of linear.check_main_grad, which raises where this is false.
+// Any error reading it: false (the check asks again and raises what Python raises).
+bool main_grad_ok(PyObject* p, paddle::DataType want) {
+  PyObject* mg = PyObject_GetAttr(p, g_main_grad);
+  if (!mg) {
+    PyErr_Clear();  // no attribute: nothing to check (any other error: the check's)
+    return true;
+  }
+  bool ok = mg == Py_None;
+  if (!ok) {
+    try {
+      const paddle::Tensor* t = dense(mg);
+      ok = t && t->dtype() == want;
+    } catch (...) {
+    }
+  }
+  Py_DECREF(mg);
+  return ok;
+}
+
 PyObject* py_none() {
   Py_INCREF(Py_None);
   return Py_None;
@@ -136,7 +162,10 @@ PyObject* route(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!(place == w->place())) return py_none();
     if (xs[xs.size() - 1] != k) Py_RETURN_FALSE;
     const int where = k > 0 && n > 0 ? (x->is_cpu() ? 1 : x->is_gpu() ? 2 : 0) : 0;
-    PyObject* facts = g_facts[di][where];
+    // the master dtype (Paddle's MPTypeTrait, ops.mp_dtype): float64 for float64, else float32
+    const auto mp = di == 3 ? paddle::DataType::FLOAT64 : paddle::DataType::FLOAT32;
+    const int ok = main_grad_ok(wo, mp) && (!b || main_grad_ok(bo, mp));
+    PyObject* facts = g_facts[di][where][ok];
     Py_INCREF(facts);
     return facts;
   } catch (...) {
@@ -258,7 +287,8 @@ PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "paddle_mgrad_fast_entry",
 }  // namespace
 
 // The entry's module, made once per process; None when this Paddle lacks an accessor the entry
-// needs.  ``facts_type``: the class of the route's answers, called once per (dtype, where)
+// needs.  ``facts_type``: the class of the route's answers, called once per (dtype, where,
+// main_grads)
 // (paddle_mgrad.ops._inputs.RouteFacts).  Called through ctypes.PyDLL (with the GIL) by
 // paddle_mgrad/ops/_build.py.
 extern "C" PyObject* pmg_fast_module(PyObject* facts_type) {
@@ -268,12 +298,16 @@ extern "C" PyObject* pmg_fast_module(PyObject* facts_type) {
     return module;
   }
   if (!pb::PyCheckTensor || !pb::CastPyArg2Tensor || !pb::ToPyObject) return py_none();
+  if (!g_main_grad && !(g_main_grad = PyUnicode_InternFromString("main_grad"))) return nullptr;
   for (int d = 0; d < 4; ++d)
-    for (int w = 0; w < 3; ++w) {
-      if (!g_facts[d][w])
-        g_facts[d][w] = PyObject_CallFunction(facts_type, "sz", kDtypeNames[d], kWhere[w]);
-      if (!g_facts[d][w]) return nullptr;
-    }
+    for (int w = 0; w < 3; ++w)
+      for (int ok = 0; ok < 2; ++ok) {
+        PyObject*& facts = g_facts[d][w][ok];
+        if (!facts)
+          facts = PyObject_CallFunction(facts_type, "szO", kDtypeNames[d], kWhere[w],
+                                        ok ? Py_True : Py_False);
+        if (!facts) return nullptr;
+      }
   module = PyModule_Create(&g_module);
   if (!module) return nullptr;
   Py_INCREF(module);  // one reference stays here

@@ -143,7 +143,7 @@ def check_main_grads(weight, bias, p_name=None):
 _STASH_KEYS = backward_errors.ENTRY_KEYS | {"Tensor.register_hook"}
 
 
-def stash_for_backward(ctx, x, weight, bias, p_name=None):
+def stash_for_backward(ctx, x, weight, bias, p_name=None, checked=False):
     """The forward-time ctx setup shared by our PyLayers (this linear, the overlap linears).
 
     Checks every parameter that needs a gradient with :func:`check_main_grad` -- a
@@ -151,15 +151,18 @@ def stash_for_backward(ctx, x, weight, bias, p_name=None):
     deep inside Paddle's backward engine -- then saves only ``x`` with
     ``save_for_backward`` (recompute may drop it) and keeps ``weight``/``bias`` on ``ctx``
     as the real objects, out of reach of saved-tensor hooks (module docstring).  ``p_name``:
-    the dtype name of ``weight`` and ``bias`` when the caller knows it.
+    the dtype name of ``weight`` and ``bias`` when the caller knows it; ``checked``: the
+    op library's fast entry found every ``main_grad`` of the master dtype already
+    (``RouteFacts.main_grads``): nothing to check.
     """
-    try:
-        check_main_grads(weight, bias, p_name)
-    except FusedLinearError as e:
-        # a forward re-run by a recomputation runs in backward: the error reaches the caller
-        # of backward() as itself, not as Paddle's OSError
-        backward_errors.record(e)
-        raise
+    if not checked:
+        try:
+            check_main_grads(weight, bias, p_name)
+        except FusedLinearError as e:
+            # a forward re-run by a recomputation runs in backward: the error reaches the
+            # caller of backward() as itself, not as Paddle's OSError
+            backward_errors.record(e)
+            raise
     if not registry.all_installed(_STASH_KEYS):  # one set operation once all are in
         backward_errors.install()  # a FusedLinearError in backward keeps its type; paddle.grad
         registry.ensure("Tensor.register_hook")  # fused_linear without enable()
@@ -458,7 +461,10 @@ class FusedLinearWithGradAdd(autograd_passes.GuardedPyLayer):
                 y = y + bias
         else:
             y = _paddle_linear(x, weight, bias)
-        stash_for_backward(ctx, x, weight, bias, None if facts is None else facts.dtype)
+        if facts is None:
+            stash_for_backward(ctx, x, weight, bias)
+        else:  # (the op library's fast entry may have checked every main_grad already)
+            stash_for_backward(ctx, x, weight, bias, facts.dtype, facts.main_grads)
         ctx.transpose_weight = transpose_weight
         # the common case's backward (_backward_fast): a [K, N] weight on the CPU or a GPU
         ctx.facts = facts if facts is not None and facts.where and not transpose_weight else None

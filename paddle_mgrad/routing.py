@@ -111,7 +111,7 @@ def _route_meta(x, weight, bias, transpose_weight):
         backward_errors.record(error)  # (in a recomputation: see stash_for_backward)
         raise error
     if k <= 0 or n <= 0:
-        return RouteFacts(x_name, None)
+        return RouteFacts(x_name, None, False)
     if place == _CPU_PLACE:
-        return RouteFacts(x_name, "cpu")
-    return RouteFacts(x_name, "gpu" if x.place.is_gpu_place() else None)  # (not CUDA-pinned)
+        return RouteFacts(x_name, "cpu", False)
+    return RouteFacts(x_name, "gpu" if x.place.is_gpu_place() else None, False)  # (not CUDA-pinned)

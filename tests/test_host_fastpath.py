@@ -277,6 +277,30 @@ def test_main_grad_replaced_by_other_dtype_or_shape_is_refused_every_time():
         _fused_step(lin, x)
 
 
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_main_grad_of_another_dtype_fails_in_the_forward(which):
+    """The forward itself refuses a non-master ``main_grad`` (the op library's route checks it,
+    the forward raises), before any backward runs."""
+    lin = paddle.nn.Linear(5, 3)
+    MixPrecisionLayer(lin, dtype="bfloat16")
+    x = paddle.randn([4, 5])
+    _fused_step(lin, x)
+    p = getattr(lin, which)
+    good = p.main_grad
+    p.main_grad = paddle.zeros(p.shape, "bfloat16")
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        xi = x.detach()
+        xi.stop_gradient = False
+        with pytest.raises(FusedLinearError, match=r"main_grad is .*bfloat16.* expected float32"):
+            lin(xi)
+        p.main_grad = good
+        y = lin(xi)  # and the next call goes on
+    finally:
+        paddle_mgrad.disable()
+    (y**2).sum().backward()
+
+
 def test_parameter_dtype_cast_between_calls():
     """``layer.to(dtype=...)`` between steps: the next step uses the new dtype's master type
     (float64 main_grad for a float64 parameter), and refuses a stale float32 main_grad."""

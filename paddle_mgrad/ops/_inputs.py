@@ -35,6 +35,11 @@ class RouteFacts(NamedTuple):
     #: ``"cpu"`` or ``"gpu"`` (CUDA) with K, N > 0: the fast backward's common case; None for
     #: a zero-size product or another place (the checked backward)
     where: Optional[str]
+    #: True: the op library's fast entry found every ``main_grad`` the weight and bias carry
+    #: (``getattr(p, "main_grad", None)``) None or a dense tensor of the master dtype
+    #: (:func:`mp_dtype`), so the forward's check (``linear.check_main_grads``) would pass and
+    #: is skipped.  False: the forward checks (and raises); the Python route always answers it.
+    main_grads: bool
 
 
 def _dtype_name_slow(dt) -> str:

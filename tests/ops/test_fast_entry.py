@@ -295,9 +295,12 @@ def _linear_args(draw):
 
 
 def _answer(x, w, b, transpose):
+    """The route's answer, without ``main_grads`` (only the fast entry checks them: see
+    :func:`test_route_checks_main_grads_as_the_forward_would`)."""
     try:
         facts = routing.route(x, w, b, transpose)
-        return ("ok", facts, type(facts).__name__)  # (a RouteFacts, from either route)
+        kind = type(facts).__name__  # (a RouteFacts, from either route)
+        return ("ok", facts if facts is None else facts[:2], kind)
     except Exception as e:  # noqa: BLE001 -- compared: type and text
         return ("raised", type(e), str(e))
 
@@ -312,9 +315,80 @@ def test_route_answers_as_python(entry, args):
     ops.fast_route = None  # (per example: a fixture's monkeypatch would last for all of them)
     try:
         slow = _answer(*args)
+        facts = routing.route(*args) if slow[0] == "ok" else None
+        assert facts is None or facts.main_grads is False  # Python leaves them to the forward
     finally:
         ops.fast_route = entry.route
     assert fast == slow
+
+
+# what a parameter's main_grad may be: absent, None, a dense tensor of any dtype, a strided
+# view, something else
+_MAIN_GRADS = ["absent", "none", *_DTYPES, "strided", "numpy", "string"]
+
+
+def _with_main_grad(p, kind):
+    if kind == "absent":
+        p.__dict__.pop("main_grad", None)
+    elif kind == "none":
+        p.main_grad = None
+    elif kind == "strided":
+        p.main_grad = _strided(np.zeros(p.shape, "float32"))
+    elif kind == "numpy":
+        p.main_grad = np.zeros(p.shape, "float32")
+    elif kind == "string":
+        p.main_grad = "float32"
+    else:
+        p.main_grad = paddle.zeros(p.shape, kind)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    dtype=st.sampled_from(_DTYPES[:4]),
+    bias=st.booleans(),
+    kinds=st.tuples(st.sampled_from(_MAIN_GRADS), st.sampled_from(_MAIN_GRADS)),
+    frozen=st.tuples(st.booleans(), st.booleans()),
+)
+def test_route_checks_main_grads_as_the_forward_would(entry, dtype, bias, kinds, frozen):
+    """``RouteFacts.main_grads`` lets the forward skip ``linear.check_main_grads``: it is True
+    only where that check passes, and True for every master-dtype (or missing) ``main_grad``
+    -- the common case, where the skip saves the forward its questions to Paddle."""
+    from paddle_mgrad import linear
+
+    one = paddle.nn.initializer.Constant(1.0)
+    w = paddle.create_parameter([3, 2], dtype, default_initializer=one)
+    b = paddle.create_parameter([2], dtype, default_initializer=one) if bias else None
+    for p, kind, fr in zip((w, b), kinds, frozen):
+        if p is not None:
+            _with_main_grad(p, kind)
+            p.stop_gradient = fr
+    facts = ops.fast_route(paddle.ones([4, 3], dtype), w, b, False)
+    assert (facts.dtype, facts.where) == (dtype, "cpu")
+    master = "float64" if dtype == "float64" else "float32"
+    plain = {"absent", "none", master} | ({"strided"} if master == "float32" else set())
+    used = kinds[: 1 + bias]
+    event(f"main_grads {facts.main_grads}")
+    assert facts.main_grads is all(k in plain for k in used)
+    if facts.main_grads:
+        linear.check_main_grads(w, b, dtype)  # raises nothing
+
+
+def test_route_checks_main_grads_common_cases(entry):
+    w = paddle.create_parameter([4, 3], "float32")
+    b = paddle.create_parameter([3], "float32")
+    x = paddle.randn([2, 4])
+    assert ops.fast_route(x, w, b, False).main_grads is True  # none yet
+    w.main_grad, b.main_grad = paddle.zeros([4, 3]), None
+    assert ops.fast_route(x, w, b, False) is ops.fast_route(x, w, None, False)  # made once
+    assert ops.fast_route(x, w, b, False).main_grads is True
+    b.main_grad = paddle.zeros([3], "bfloat16")
+    assert ops.fast_route(x, w, b, False).main_grads is False
+    assert ops.fast_route(x, w, None, False).main_grads is True  # (no bias: not asked)
+    w64 = paddle.create_parameter([4, 3], "float64")
+    w64.main_grad = paddle.zeros([4, 3])
+    assert ops.fast_route(x.astype("float64"), w64, None, False).main_grads is False
+    w64.main_grad = paddle.zeros([4, 3], "float64")
+    assert ops.fast_route(x.astype("float64"), w64, None, False).main_grads is True
 
 
 def test_route_common_cases(entry):
@@ -322,16 +396,17 @@ def test_route_common_cases(entry):
     b = paddle.create_parameter([3], "float32")
     x = paddle.randn([2, 5, 4])
     facts = ops.fast_route(x, w, b, False)
-    assert type(facts) is _inputs.RouteFacts and (facts.dtype, facts.where) == ("float32", "cpu")
+    assert type(facts) is _inputs.RouteFacts and facts == ("float32", "cpu", True)
     assert ops.fast_route(x, w, b, False) is facts  # made once per combination
-    assert ops.fast_route(x, w, None, False) == ("float32", "cpu")
-    assert ops.fast_route(x, w.T, None, True) == ("float32", "cpu")
+    assert ops.fast_route(x, w, None, False) == ("float32", "cpu", True)
+    assert ops.fast_route(x, w.T, None, True) == ("float32", "cpu", True)
     assert ops.fast_route(paddle.randn([2, 3]), w, b, False) is False  # K mismatch
     assert ops.fast_route(x.astype("float64"), w, b, False) is None  # dtype mix: Paddle's
     assert ops.fast_route(x, w, paddle.randn([1, 3]), False) is None  # broadcast bias
     assert ops.fast_route(paddle.randn([2, 0]), paddle.randn([0, 3]), None, False) == (
         "float32",
         None,
+        True,
     )  # K = 0: not the common case of the fast backward
     with pytest.raises(TypeError):
         ops.fast_route(x, w, b)
