@@ -11,6 +11,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTH = os.path.join(ROOT, "paddle_mgrad_autoload.pth")
 
 
+def trainer_args(max_steps, accum, learning_rate="1e-3", **more):
+    """The Trainer arguments of every script run (PaddleNLP's and PaddleFormers' llm scripts):
+    ``max_steps`` optimizer steps of ``accum`` micro-steps each, no warm-up, a log line per
+    step, no checkpoint, no reporting, seed 42, no dataloader workers; ``more``: further
+    ``--name value`` pairs (``per_device_train_batch_size=2``)."""
+    args = {
+        "max_steps": max_steps,
+        "gradient_accumulation_steps": accum,
+        "learning_rate": learning_rate,
+        "warmup_steps": 0,
+        "logging_steps": 1,
+        "save_steps": 1000,
+        "report_to": "none",
+        "seed": 42,
+        "dataloader_num_workers": 0,
+        **more,
+    }
+    return [part for name, value in args.items() for part in (f"--{name}", str(value))]
+
+
 def script_env():
     """This environment without paddle_mgrad's, the test evidence's or a launcher's variables;
     one thread per rank; faulthandler and glibc's fatal messages on stderr (a rank sometimes

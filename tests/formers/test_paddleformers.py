@@ -39,7 +39,7 @@ import paddle
 import paddleformers  # without it, tests/conftest.py skips this module
 import pytest
 
-from script_runs import launch, script_env, switch_on, with_evidence  # tests/
+from script_runs import launch, script_env, switch_on, trainer_args, with_evidence  # tests/
 
 # trainings (heavy: dealt first under xdist); one worker runs the module, so that the
 # module-scoped plain run happens once
@@ -51,30 +51,7 @@ EVIDENCE = os.path.join(HERE, "evidence")
 
 MAX_STEPS, ACCUM, LAYERS, LINEARS_PER_LAYER = 2, 2, 2, 7  # q, k, v, o, gate, up, down
 MICRO = MAX_STEPS * ACCUM
-STEPS = [
-    "--max_steps",
-    str(MAX_STEPS),
-    "--gradient_accumulation_steps",
-    str(ACCUM),
-    "--per_device_train_batch_size",
-    "2",
-    "--learning_rate",
-    "1e-3",
-    "--warmup_steps",
-    "0",
-    "--logging_steps",
-    "1",
-    "--save_steps",
-    "1000",
-    "--report_to",
-    "none",
-    "--seed",
-    "42",
-    "--dataloader_num_workers",
-    "0",
-    "--layers",
-    str(LAYERS),
-]
+STEPS = trainer_args(MAX_STEPS, ACCUM, per_device_train_batch_size=2, layers=LAYERS)
 ALL_FLAGS = [
     "--bf16",
     "--fp16_opt_level",

@@ -24,7 +24,7 @@ import pytest
 import paddle_mgrad
 from paddle_mgrad import stats
 from paddle_mgrad._compat import IS_PADDLE_2
-from script_runs import launch, script_env, switch_on, with_evidence
+from script_runs import launch, script_env, switch_on, trainer_args, with_evidence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLM = os.path.join(ROOT, "tests", "nlp", "llm")
@@ -44,28 +44,7 @@ ALL_FLAGS = [
     "--enable_linear_fused_grad_add",
 ]
 MAX_STEPS, ACCUM, LAYERS, LINEARS_PER_LAYER = 2, 2, 2, 7  # q, k, v, o, gate, up, down
-STEPS = [
-    "--max_steps",
-    str(MAX_STEPS),
-    "--gradient_accumulation_steps",
-    str(ACCUM),
-    "--per_device_train_batch_size",
-    "2",
-    "--learning_rate",
-    "1e-3",
-    "--warmup_steps",
-    "0",
-    "--logging_steps",
-    "1",
-    "--save_steps",
-    "1000",
-    "--report_to",
-    "none",
-    "--seed",
-    "42",
-    "--dataloader_num_workers",
-    "0",
-]
+STEPS = trainer_args(MAX_STEPS, ACCUM, per_device_train_batch_size=2)
 ZLIB_FIRST = """import zlib, os, runpy, sys
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

@@ -39,7 +39,7 @@ import pytest
 
 pytest.importorskip("paddlenlp")
 
-from script_runs import launch, script_env, switch_on, with_evidence
+from script_runs import launch, script_env, switch_on, trainer_args, with_evidence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -54,30 +54,7 @@ TOL = 1e-5
 MAX_STEPS, ACCUM, BATCH, LAYERS = 3, 2, 2, 2
 MICRO = MAX_STEPS * ACCUM
 COLUMN_LINEARS = 5  # llama: q, k, v, gate, up per decoder layer
-STEPS = [
-    "--max_steps",
-    str(MAX_STEPS),
-    "--gradient_accumulation_steps",
-    str(ACCUM),
-    "--learning_rate",
-    "1.0",
-    "--adam_epsilon",
-    "1.0",
-    "--warmup_steps",
-    "0",
-    "--logging_steps",
-    "1",
-    "--save_steps",
-    "1000",
-    "--report_to",
-    "none",
-    "--seed",
-    "42",
-    "--dataloader_num_workers",
-    "0",
-    "--max_seq_length",
-    "64",
-]
+STEPS = trainer_args(MAX_STEPS, ACCUM, learning_rate="1.0", adam_epsilon="1.0", max_seq_length=64)
 MGRAD = [
     "--amp_master_grad",
     "--bf16",
