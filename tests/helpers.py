@@ -21,6 +21,22 @@ TESTS = os.path.dirname(os.path.abspath(__file__))  # the shared helpers live he
 ROOT = os.path.dirname(TESTS)  # the checkout
 
 
+def pip_install_target(source, target, env=None, timeout=900):
+    """``pip install --no-build-isolation --no-deps --target target source`` with this
+    interpreter -- a checkout installed as a user installs it, into a directory of its own (this
+    venv untouched) -- and assert that it succeeded.  ``env``: the install's environment."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps"]
+        + ["--target", str(target), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return target
+
+
 def run_probe_script(name, *args, timeout=300):
     """``python tests/<name> args...`` in a fresh interpreter, this checkout first on
     PYTHONPATH (crash probes: a signal shows as a negative return code, not a dead suite)."""

@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-from helpers import PADDLE2
+from helpers import PADDLE2, pip_install_target
 from paddle_mgrad import FlagError
 from paddle_mgrad.switch import parse_activation
 
@@ -255,24 +255,7 @@ def test_pip_install_puts_the_pth_into_site_packages(tmp_path):
             ignore=shutil.ignore_patterns("__pycache__", "_prebuilt"),
         )
     target = tmp_path / "site-packages"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-build-isolation",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(src),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    pip_install_target(src, target, timeout=600)
     assert (
         target / "paddle_mgrad_autoload.pth"
     ).read_text().strip() == "import paddle_mgrad_autoload"

@@ -33,7 +33,7 @@ from cache_probe import (
     result,
     run_probe,
 )
-from helpers import ROOT
+from helpers import ROOT, pip_install_target
 from paddle_mgrad.ops import _build
 
 PROBE = textwrap.dedent("""
@@ -146,26 +146,7 @@ def aot_site(tmp_path_factory):
     base = tmp_path_factory.mktemp("aot")
     source = _checkout_copy(base / "source")
     target = base / "site"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-build-isolation",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=dict(os.environ, PADDLE_MGRAD_BUILD_OPS="1"),
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return target
+    return pip_install_target(source, target, env=dict(os.environ, PADDLE_MGRAD_BUILD_OPS="1"))
 
 
 @pytest.mark.heavy
@@ -218,25 +199,7 @@ def test_plain_install_after_an_ahead_of_time_build_ships_no_binaries(tmp_path):
     open(os.path.join(stale, ".complete"), "w").close()
     target = tmp_path / "site"
     env = {k: v for k, v in os.environ.items() if k != "PADDLE_MGRAD_BUILD_OPS"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-build-isolation",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    pip_install_target(source, target, env=env)
     assert (target / "paddle_mgrad" / "_csrc").is_dir()
     assert not (target / "paddle_mgrad" / "_prebuilt").exists()
 
