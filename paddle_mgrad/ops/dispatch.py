@@ -13,7 +13,7 @@ from __future__ import annotations
 from .._compat import paddle
 from . import _inputs, _reference, devices
 from ._inputs import mp_dtype
-from .entries import check_cpu_knobs, fast_cpu_call
+from .entries import check_cpu_knobs, fast_cpu_call, hand_back
 from .loader import load, state as _loaded
 from .strided import contiguous as _contiguous, is_strided as _strided
 
@@ -68,10 +68,7 @@ def _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias):
     for given, got in ((dweight, dw), (dbias if has_bias else None, db)):
         if given is not None and got is not None and got.data_ptr() != given.data_ptr():
             paddle.assign(got, output=given)
-    dw = dweight if dweight is not None else dw
-    if not has_bias:
-        return dw, None
-    return dw, (dbias if dbias is not None else db)
+    return hand_back(dweight, dbias, dw, db, has_bias)
 
 
 def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias):
@@ -91,11 +88,7 @@ def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias):
     x, dout = _contiguous(x), _contiguous(dout)
     with paddle.no_grad():
         dw, db = module.pmg_fused_wgrad_add(x, dout, dweight, dbias, multi_precision, has_bias)
-    if dweight is not None:
-        dw = dweight  # the op wrote into dweight's allocation; hand back the caller's object
-    if not has_bias:
-        return dw, None
-    return dw, (dbias if dbias is not None else db)
+    return hand_back(dweight, dbias, dw, db, has_bias)
 
 
 def fused_linear_param_grad_add(

@@ -151,8 +151,14 @@ def fast_cpu_call(x, dout, dweight, dbias, multi_precision, has_bias, x_name=Non
         except Exception:
             _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)  # our error text
             raise
-    if dweight is not None:
-        dw = dweight  # the op wrote into dweight's allocation; hand back the caller's object
+    return hand_back(dweight, dbias, dw, db, has_bias)
+
+
+def hand_back(dweight, dbias, dw, db, has_bias):
+    """An op call's ``(dweight, dbias)`` result from what it returned (``dw``, ``db``): the
+    caller's own accumulator objects where it passed them (the op wrote into their
+    allocations), else the new tensors; ``dbias`` None without a bias."""
+    dw = dweight if dweight is not None else dw
     if not has_bias:
         return dw, None
     return dw, (dbias if dbias is not None else db)
