@@ -61,6 +61,7 @@ from .tensors import (
     detached_view,
     fingerprint,
     fingerprint_mismatch,
+    first_changed,
     function_name,
     spec,
 )
@@ -199,16 +200,17 @@ def _check_inputs_unchanged(function, tensors, versions):
     error in backward, or -- ``paddle.assign(..., output=x)`` -- computes them wrong).  The
     non-reentrant mode keeps such a block's activations from the forward instead
     (:mod:`.non_reentrant`)."""
-    for k, (t, v) in enumerate(zip(tensors, versions)):
-        if t._inplace_version() != v:
-            raise RecomputeError(
-                f"recompute({function_name(function)}, use_reentrant=True): the block changed "
-                f"its tensor argument #{k} (shape={list(t.shape)}, dtype={t.dtype}) in place. "
-                "A reentrant recompute re-runs the block in backward from the changed value, so "
-                "its gradients would be wrong. Use use_reentrant=False (paddle_mgrad then keeps "
-                "this block's activations from the forward), clone the argument inside the "
-                "block before changing it, or move the in-place op out of the block."
-            )
+    changed = first_changed(tensors, versions)
+    if changed is not None:
+        k, t, _ = changed
+        raise RecomputeError(
+            f"recompute({function_name(function)}, use_reentrant=True): the block changed "
+            f"its tensor argument #{k} (shape={list(t.shape)}, dtype={t.dtype}) in place. "
+            "A reentrant recompute re-runs the block in backward from the changed value, so "
+            "its gradients would be wrong. Use use_reentrant=False (paddle_mgrad then keeps "
+            "this block's activations from the forward), clone the argument inside the "
+            "block before changing it, or move the in-place op out of the block."
+        )
 
 
 def _reuse_error(layer):

@@ -38,6 +38,16 @@ def iter_tensors(obj):
             yield from iter_tensors(o)
 
 
+def first_changed(tensors, versions):
+    """The first ``(index, tensor, version)`` of ``tensors`` whose in-place version is no longer
+    the one in ``versions`` (read at the block's call), or None: the one question both
+    recompute modes ask about a block's tensor arguments."""
+    for k, (t, v) in enumerate(zip(tensors, versions)):
+        if t._inplace_version() != v:
+            return k, t, v
+    return None
+
+
 def check_arguments_unchanged(function, tensors, versions):
     """Raise :class:`RecomputeError` if one of ``tensors`` (a block's tensor arguments, as
     kept for its replay) was changed in place since ``versions`` were read at the call:
@@ -45,17 +55,18 @@ def check_arguments_unchanged(function, tensors, versions):
     wrong, silently (plain Paddle without recompute refuses the backward where the block
     saved that argument; Paddle's own recompute, in both modes, computes with the changed
     value).  The error is recorded so that it keeps its type through Paddle's engine."""
-    for k, (t, v) in enumerate(zip(tensors, versions)):
-        if t._inplace_version() != v:
-            err = RecomputeError(
-                f"recompute({function_name(function)}): its tensor argument #{k} "
-                f"{describe(t)} has been modified by an inplace operation after the block "
-                f"was called (inplace version {t._inplace_version()}, {v} at the call); "
-                "recomputation would start from the changed value and the gradients would "
-                "be wrong. Change a copy of it, or change it after backward."
-            )
-            _errors.record(err)  # Paddle's engine re-raises it as OSError
-            raise err
+    changed = first_changed(tensors, versions)
+    if changed is not None:
+        k, t, v = changed
+        err = RecomputeError(
+            f"recompute({function_name(function)}): its tensor argument #{k} "
+            f"{describe(t)} has been modified by an inplace operation after the block "
+            f"was called (inplace version {t._inplace_version()}, {v} at the call); "
+            "recomputation would start from the changed value and the gradients would "
+            "be wrong. Change a copy of it, or change it after backward."
+        )
+        _errors.record(err)  # Paddle's engine re-raises it as OSError
+        raise err
 
 
 def any_needs_grad(obj) -> bool:
