@@ -322,6 +322,33 @@ def test_route_answers_as_python(entry, args):
     assert fast == slow
 
 
+@pytest.mark.parametrize(
+    "x_shape, w_shape, bias",
+    [
+        ([2, 0], [0, 3], True),
+        ([2, 4], [4, 0], True),
+        ([0, 4], [4, 3], True),
+        ([2, 0], [0, 0], False),
+    ],
+    ids=["K=0", "N=0", "M=0", "K=N=0"],
+)
+def test_route_answers_zero_sizes_as_python(entry, x_shape, w_shape, bias):
+    """Zero-size products (rare in drawn examples): the same answer from both routes -- ours,
+    without the fast backward's common case where K or N is 0."""
+    w = paddle.create_parameter(w_shape, "float32")
+    b = paddle.create_parameter(w_shape[1:], "float32") if bias else None
+    x = paddle.zeros(x_shape)
+    fast = _answer(x, w, b, False)
+    ops.fast_route = None
+    try:
+        slow = _answer(x, w, b, False)
+    finally:
+        ops.fast_route = entry.route
+    assert fast == slow
+    want = None if 0 in (x_shape[-1], w_shape[1]) else "cpu"
+    assert fast == ("ok", ("float32", want), "RouteFacts")
+
+
 # what a parameter's main_grad may be: absent, None, a dense tensor of any dtype, a strided
 # view, something else
 _MAIN_GRADS = ["absent", "none", *_DTYPES, "strided", "numpy", "string"]
