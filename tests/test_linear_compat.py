@@ -342,3 +342,30 @@ def test_incubate_fused_linear_same_as_paddle(transpose_weight, bias):
     np.testing.assert_allclose(ours["grads"][1], dw, rtol=1e-5, atol=1e-5)
     if bias == "1d":
         np.testing.assert_allclose(ours["grads"][2], dy.reshape(-1, 5).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transpose_weight", [False, True])
+def test_incubate_fused_linear_left_to_paddle_keeps_its_arguments(transpose_weight):
+    """A call the route leaves to Paddle (nothing to accumulate: the weight is frozen) reaches
+    Paddle's own ``fused_linear`` with every argument as given: the same output and input
+    gradient as without paddle_mgrad."""
+    from paddle.incubate.nn.functional import fused_linear as inc
+
+    def run():
+        x = _t(X3)
+        w = paddle.to_tensor(W.T.copy() if transpose_weight else W)  # stop_gradient: Paddle's
+        before = stats.linear["forward"]
+        y = inc(x, w, None, transpose_weight=transpose_weight)
+        (y * y).sum().backward()
+        return y.numpy(), x.grad.numpy(), stats.linear["forward"] - before
+
+    plain = run()
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        ours = run()
+    finally:
+        paddle_mgrad.disable()
+    assert ours[2] == 0  # not ours
+    np.testing.assert_array_equal(ours[0], plain[0])
+    np.testing.assert_array_equal(ours[1], plain[1])
+    np.testing.assert_allclose(plain[0], X3 @ W, rtol=1e-5, atol=1e-5)
