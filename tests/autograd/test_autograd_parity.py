@@ -531,3 +531,46 @@ def test_paddle_grad_through_recompute(reentrant, create_graph):
         return
     assert "error" not in plain, plain
     _close(ours, plain, "recompute")
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["grad", "create_graph"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_paddle_grad_through_a_transposed_weight(bias, create_graph):
+    """``paddle.incubate.nn.functional.fused_linear(..., transpose_weight=True)`` (an ``[N, K]``
+    weight) in a ``paddle.grad`` pass: the gradients of x, the weight and the bias -- and with
+    create_graph, those of the double backward that follows -- equal those of the same product
+    in plain Paddle ops (Paddle's own incubate op has no CPU kernel with a bias); the pass
+    accumulates nothing."""
+    from paddle.incubate.nn.functional import fused_linear as inc
+
+    rs = np.random.RandomState(3)
+    # 2-D x: Paddle 2.6's double backward of a broadcast matmul gives the weight a [1, N, K]
+    # gradient (plain Paddle's own result, compared with here)
+    xv, wv, bv = (rs.standard_normal(s).astype("float32") for s in ([6, 4], [5, 4], [5]))
+
+    def run(ours):
+        x = paddle.to_tensor(xv, stop_gradient=False)
+        w, b = (paddle.to_tensor(v, stop_gradient=False) for v in (wv, bv))
+        ins = [x, w, b] if bias else [x, w]
+        before = stats.linear["functional_backward"]
+        if ours:
+            y = inc(x, w, b if bias else None, transpose_weight=True)
+        else:
+            y = paddle.matmul(x, w, transpose_y=True) + (b if bias else 0)
+        grads = paddle.grad((paddle.tanh(y) ** 2).sum(), ins, create_graph=create_graph)
+        result = {"grads": [_np(g) for g in grads]}
+        result["untouched"] = [t.grad is None for t in ins]
+        if create_graph:
+            sum((g * g).sum() for g in grads).backward()
+            result["double"] = [_np(t.grad) for t in ins]
+        return result, stats.linear["functional_backward"] - before
+
+    plain, _ = run(False)
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        ours, functional = run(True)
+    finally:
+        paddle_mgrad.disable()
+    assert functional >= 1  # our PyLayer's paddle.grad path ran
+    assert plain["untouched"] == [True] * len(plain["untouched"])
+    _close(ours, plain, "result")
