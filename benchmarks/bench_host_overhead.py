@@ -27,7 +27,9 @@ own per column, at the 10th percentile and at the median.
 Every fused-linear round asserts that the fused path ran for every linear: the
 ``into_main_grad`` counter (:mod:`paddle_mgrad.stats`) grows by exactly 2 (weight and bias) per
 linear per step.  ``--profile MODE`` runs cProfile on one cell instead and prints the top
-functions (MODE like ``fused:none``, ``paddle:reentrant``).
+functions (MODE like ``fused:none``, ``paddle:reentrant``).  ``--split`` times the forward
+(up to the loss) and the backward of each step apart, without recompute, for the fused linear
+and Paddle's own: where the host cost of the first column goes.
 """
 
 import argparse
@@ -106,6 +108,51 @@ def make_step(blocks, x0, rmode):
     return step
 
 
+def make_split_step(blocks, x0):
+    """A step without recompute that returns the process CPU time of its forward and of its
+    backward."""
+    clock = time.process_time
+
+    def step():
+        x = x0.detach()
+        x.stop_gradient = False
+        t0 = clock()
+        h = x
+        for b in blocks:
+            h = b(h)
+        loss = h.sum()
+        t1 = clock()
+        loss.backward()
+        return t1 - t0, clock() - t1
+
+    return step
+
+
+def split(blocks, x0, rounds, steps):
+    """``--split``: forward and backward apart, fused linear against Paddle's own, interleaved
+    round by round; prints the 10th percentile [median] of each and the ratios."""
+    samples = {r: ([], []) for r in ("paddle", "fused")}
+    for _ in range(rounds):
+        for r in samples:
+            switch(r)
+            step = make_split_step(blocks, x0)
+            step()  # warm
+            for _ in range(steps):
+                fwd, bwd = step()
+                samples[r][0].append(fwd)
+                samples[r][1].append(bwd)
+    paddle_mgrad.disable()
+    print(f"paddle {paddle.__version__}, {cpu_name()}, no recompute, forward and backward apart")
+    for i, part in enumerate(("forward", "backward")):
+        base = [percentile(samples["paddle"][i], q) for q in (0.1, 0.5)]
+        ours = [percentile(samples["fused"][i], q) for q in (0.1, 0.5)]
+        print(
+            f"{part:9s} paddle {base[0] * 1e6:7.0f} us [{base[1] * 1e6:6.0f}]  fused linear "
+            f"{ours[0] * 1e6:7.0f} us [{ours[1] * 1e6:6.0f}]  {ours[0] / base[0]:5.3f}x "
+            f"[{ours[1] / base[1]:5.3f}x]"
+        )
+
+
 def time_steps(step, steps):
     """Process CPU time of each of ``steps`` calls of ``step`` (warmed by the caller)."""
     clock = time.process_time
@@ -151,8 +198,12 @@ def main():
     ap = argparse.ArgumentParser()
     add_arguments(ap, rounds=15)
     ap.add_argument("--profile", default=None, help="ROW:RECOMPUTE, e.g. fused:none")
+    ap.add_argument("--split", action="store_true", help="forward and backward apart")
     args = ap.parse_args()
     blocks, model, x0 = build(args)
+    if args.split:
+        split(blocks, x0, args.rounds, args.steps)
+        return
     if args.profile:
         import cProfile
         import pstats
