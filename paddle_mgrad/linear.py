@@ -526,11 +526,11 @@ def fused_linear(x, weight, bias=None, name=None):
     facts = route(x, weight, bias)
     if facts is None:
         return original("linear")(x, weight, bias, name)
-    pack = getattr(_recomputing_state, "pack", None)
+    pack = _recomputing_state.pack
     if pack is not None:
         return _recomputed_linear(x, weight, bias, pack)
     y = FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
-    kept = getattr(_recomputing_state, "kept", None)
+    kept = _recomputing_state.kept
     if kept is not None:  # a recompute policy that keeps GEMM outputs
         kept.add(x, weight, y)
     return y
@@ -554,7 +554,7 @@ def _recomputed_linear(x, weight, bias, pack):
     Where the block's recompute policy kept this linear's output from the forward
     (:class:`.autograd.recomputing.KeptOutputs`), that output is handed back the same way
     instead of multiplying again."""
-    kept = getattr(_recomputing_state, "kept", None)
+    kept = _recomputing_state.kept
     found = None if kept is None else kept.take(x, weight)
     pack(x)
     if found is not None:
@@ -575,10 +575,10 @@ def apply_under_policy(apply, x, weight, *args):
     the block's forward the output is offered to the policy (``KeptOutputs.add``); in its
     recomputation a kept output is handed back (``x`` to the pack hook, as the ``PyLayer``
     would save it) instead of multiplying again.  Outside a policy: ``apply`` itself."""
-    kept = getattr(_recomputing_state, "kept", None)
+    kept = _recomputing_state.kept
     if kept is None:
         return apply(x, weight, *args)
-    pack = getattr(_recomputing_state, "pack", None)
+    pack = _recomputing_state.pack
     if pack is None:
         y = apply(x, weight, *args)
         kept.add(x, weight, y)

@@ -111,6 +111,7 @@ WINGS = (
             "paddle_mgrad._compat",
             "paddle_mgrad.env",
             "paddle_mgrad._cli",
+            "paddle_mgrad.threadstate",
         ),
     ),
 )

@@ -29,36 +29,36 @@ installed by the first recompute call or fused-linear forward and removed by
 from __future__ import annotations
 
 import functools
-import threading
 
 from .. import registry
 from .._compat import tracer
+from ..threadstate import thread_state
 
-_state = threading.local()
+_state = thread_state("BackwardPassState", depth=0, error=None, passes=None)
 
 
 def record(error: BaseException):
     """Keep ``error`` (the first one) to re-raise as itself when the running pass ends; outside
     a wrapped pass nobody would, and nothing is kept."""
-    if getattr(_state, "depth", 0) and getattr(_state, "error", None) is None:
+    if _state.depth and _state.error is None:
         _state.error = error
 
 
 def current_pass():
     """The innermost running pass of this thread: None (ordinary ``backward()``, or no
     wrapped pass at all) or the functional pass object of a ``paddle.grad`` call."""
-    stack = getattr(_state, "passes", None)
+    stack = _state.passes
     return stack[-1] if stack else None
 
 
 def run(orig, args, kwargs, kind=None):
     """Call ``orig`` (a backward entry point) as a pass of ``kind`` (see module doc),
     re-raising an error recorded during it as itself."""
-    depth = getattr(_state, "depth", 0)
+    depth = _state.depth
     if depth == 0:
         _state.error = None
     _state.depth = depth + 1
-    stack = getattr(_state, "passes", None)
+    stack = _state.passes
     if stack is None:
         stack = _state.passes = []
     stack.append(kind)
@@ -70,7 +70,7 @@ def run(orig, args, kwargs, kind=None):
         # hook's recomputation, a PyLayer's backward): every later step of the process would
         # record no graph and train nothing, silently.  Whatever raised, grad mode is as before.
         tracer()._has_grad = has_grad
-        err = getattr(_state, "error", None)
+        err = _state.error
         if err is None or e is err or not isinstance(e, Exception):
             raise
         raise err from e

@@ -55,11 +55,12 @@ import weakref
 from .. import registry
 from .._compat import is_tensor, paddle
 from ..errors import FusedLinearError
+from ..threadstate import thread_state
 from . import backward_errors
 
 __all__ = ["GuardedPyLayer", "NodeGuard", "FunctionalPass", "stash_guard", "ran", "grad"]
 
-_pending = threading.local()  # the guard made by forward, picked up by apply
+_pending = thread_state("PendingGuard", guard=None)  # made by forward, picked up by apply
 # Weak references to the guards of nodes an ordinary backward already ran.  A guard dies with
 # its node (Paddle drops the hook then); dead references are purged in bulk (_purge) when the
 # list has doubled since the last purge.
@@ -174,7 +175,7 @@ class GuardedPyLayer(paddle.autograd.PyLayer):
     def apply(cls, *args, **kwargs):
         _pending.guard = None
         out = super().apply(*args, **kwargs)
-        guard, _pending.guard = getattr(_pending, "guard", None), None
+        guard, _pending.guard = _pending.guard, None
         if guard is not None:
             # every differentiable output: a later pass may reach the node through any of them
             for t in (out,) if is_tensor(out) else _tensor_list(out):

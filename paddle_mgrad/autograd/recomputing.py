@@ -24,24 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 
 from paddle import _C_ops
 
+from ..threadstate import thread_state
+
 __all__ = ["state", "running", "KeptOutputs", "replayed_output"]
 
-#: ``state.pack``: the pack hook of the recomputation this thread runs right now; absent or None
-#: when there is none.  ``state.kept``: the :class:`KeptOutputs` of the block whose forward or
-#: recomputation this thread runs, None when its policy keeps nothing.  Read with ``getattr(state,
-#: name, None)`` -- by our fused linear on every call, hence attributes and not functions.
-state = threading.local()
+#: ``state.pack``: the pack hook of the recomputation this thread runs right now, None when there
+#: is none.  ``state.kept``: the :class:`KeptOutputs` of the block whose forward or recomputation
+#: this thread runs, None when its policy keeps nothing.  Read by our fused linear on every call,
+#: hence attributes and not functions.
+state = thread_state("RecomputingState", pack=None, kept=None)
 
 
 @contextlib.contextmanager
 def running(pack_hook, kept=None):
     """Run the body with ``pack_hook`` (a recomputation's, or None: a forward) as this
     thread's ``state.pack`` and ``kept`` as its ``state.kept``."""
-    prev = getattr(state, "pack", None), getattr(state, "kept", None)
+    prev = state.pack, state.kept
     state.pack, state.kept = pack_hook, kept
     try:
         yield

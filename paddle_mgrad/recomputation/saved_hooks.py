@@ -66,9 +66,11 @@ import threading
 from .. import registry
 from .._compat import PACKED_VALUES_LEAK, UNPACK_MOVES_HOLDER, core, is_tensor
 from ..errors import RecomputeError
+from ..threadstate import thread_state
 from .tensors import buffer_sharing_tensor
 
-_local = threading.local()  # .stack: [(pack, unpack)]; .pylayer_save: bool
+# .stack: [(pack, unpack)]; .pylayer_save: bool
+_local = thread_state("SavedHookState", stack=None, pylayer_save=False)
 _lock = threading.Lock()
 _slot = {"epoch": None, "frames": 0, "sticky": False}
 _frames_by_thread: dict = {}  # thread id -> number of active frames
@@ -76,11 +78,11 @@ _frames_by_thread: dict = {}  # thread id -> number of active frames
 
 def in_pylayer_save() -> bool:
     """True while a PyLayer's ``save_for_backward`` runs the pack hook (our shim)."""
-    return getattr(_local, "pylayer_save", False)
+    return _local.pylayer_save
 
 
 def _stack() -> list:
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack is None:
         stack = _local.stack = []
     return stack
@@ -126,7 +128,7 @@ class _Epoch:
         self._keys = itertools.count()
 
     def pack(self, x):
-        stack = getattr(_local, "stack", None)
+        stack = _local.stack
         if stack:
             pack, unpack = stack[-1]
             packed = _Routed(unpack, pack(x))

@@ -52,6 +52,7 @@ import weakref
 
 from .._compat import is_tensor, paddle
 from ..autograd.recomputing import replayed_output
+from ..threadstate import thread_state
 from . import rng as _rng
 from .tensors import function_name, iter_tensors
 
@@ -59,7 +60,7 @@ __all__ = ["block_layers", "matching", "Sublayers", "running"]
 
 #: ``_active.block``: ``(Sublayers, frame)`` of the block whose forward or recomputation this
 #: thread runs right now, None when none (or when the innermost block keeps no sublayer).
-_active = threading.local()
+_active = thread_state("ActiveBlock", block=None)
 
 
 # -- which sublayers ------------------------------------------------------------
@@ -334,7 +335,7 @@ _NONE = object()
 
 
 def _dispatch(layer, forward, *args, **kwargs):
-    block = getattr(_active, "block", None)
+    block = _active.block
     if block is None:
         return forward(*args, **kwargs)
     sublayers, frame = block
@@ -372,7 +373,7 @@ def running(sublayers, frame):
     ``sublayers`` (None: the block keeps none) as this thread's active block, their wrappers
     installed.  Nothing to do (no sublayers, no block active around): a shared no-op, for
     every full-recompute block pays this call."""
-    if sublayers is None and getattr(_active, "block", None) is None:
+    if sublayers is None and _active.block is None:
         return _NOTHING
     return _running(sublayers, frame)
 
@@ -382,7 +383,7 @@ _NOTHING = contextlib.nullcontext()
 
 @contextlib.contextmanager
 def _running(sublayers, frame):
-    prev = getattr(_active, "block", None)
+    prev = _active.block
     if sublayers is not None:
         _install(sublayers.layers)
     _active.block = None if sublayers is None else (sublayers, frame)
