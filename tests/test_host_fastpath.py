@@ -325,6 +325,32 @@ def test_parameter_dtype_cast_between_calls():
     assert lin.weight.main_grad.dtype == paddle.float32
 
 
+def test_the_pylayer_called_without_route_facts_checks_against_the_parameter_dtype():
+    """``FusedLinearWithGradAdd.apply(x, w, b)`` as user code calls it (no route facts): the
+    forward reads the parameters' dtype itself -- a float64 parameter wants a float64
+    ``main_grad`` -- and the backward accumulates into it."""
+    rs = np.random.RandomState(4)
+    w, b = (
+        paddle.create_parameter(
+            s, "float64", default_initializer=paddle.nn.initializer.Assign(rs.standard_normal(s))
+        )
+        for s in ([5, 3], [3])
+    )
+    x = paddle.to_tensor(rs.standard_normal([4, 5]))
+    w.main_grad, b.main_grad = paddle.zeros([5, 3]), None
+    with pytest.raises(FusedLinearError, match=r"main_grad is .*float32.* expected float64"):
+        L.FusedLinearWithGradAdd.apply(x, w, b)
+    w.main_grad = paddle.zeros([5, 3], "float64")
+    ptr = w.main_grad.data_ptr()
+    y = L.FusedLinearWithGradAdd.apply(x, w, b)
+    (y**2).sum().backward()
+    dy = 2 * (x.numpy() @ w.numpy() + b.numpy())
+    assert w.main_grad.data_ptr() == ptr
+    np.testing.assert_allclose(w.main_grad.numpy(), x.numpy().T @ dy, rtol=1e-12)
+    np.testing.assert_allclose(b.main_grad.numpy(), dy.sum(0), rtol=1e-12)
+    assert b.main_grad.dtype == paddle.float64
+
+
 # ------------------------------------------- the linear's common-case backward (_backward_fast)
 def _spy_backward_fast(monkeypatch):
     """Record, per backward of our linear, whether its common-case path did the work."""
