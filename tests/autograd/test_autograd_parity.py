@@ -574,3 +574,34 @@ def test_paddle_grad_through_a_transposed_weight(bias, create_graph):
     assert functional >= 1  # our PyLayer's paddle.grad path ran
     assert plain["untouched"] == [True] * len(plain["untouched"])
     _close(ours, plain, "result")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_paddle_grad_finds_a_node_whose_output_died(monkeypatch, bias):
+    """The first ``paddle.grad`` of a process, through a fused linear whose output no longer
+    lives (``tanh`` keeps its own output, not its input): the pass finds our node by its edges
+    (the forward's inputs) and returns plain Paddle's gradients.  (Once a process has run a
+    ``paddle.grad``, forwards record their node's address and this path is not taken: the
+    test starts from a process state before the first one.)"""
+    from paddle_mgrad.autograd import passes
+
+    rs = np.random.RandomState(8)
+    xv, wv, bv = (rs.standard_normal(s).astype("float32") for s in ([3, 4], [4, 5], [5]))
+
+    def run(ours):
+        x = paddle.to_tensor(xv, stop_gradient=False)
+        w, b = (paddle.to_tensor(v, stop_gradient=False) for v in (wv, bv))
+        monkeypatch.setattr(passes, "_functional_seen", False)
+        out = paddle.tanh(F.linear(x, w, b if bias else None)).sum()  # (the linear's output dies)
+        before = stats.linear["functional_backward"]
+        grads = paddle.grad(out, [x, w])
+        return [_np(g) for g in grads], stats.linear["functional_backward"] - before
+
+    plain, _ = run(False)
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        ours, functional = run(True)
+    finally:
+        paddle_mgrad.disable()
+    assert functional == 1
+    _close(ours, plain, "grads")

@@ -16,12 +16,20 @@ import pytest
 import paddle_mgrad
 from paddle_mgrad import RecomputeError
 from paddle_mgrad.errors import EnvError
-from paddle_mgrad.recomputation import non_reentrant
+from paddle_mgrad.recomputation import non_reentrant, tensors
 from paddle_mgrad.recomputation.api import ENV_DETERMINISM_CHECK
 from paddle_mgrad.recomputation.tensors import fingerprint, fingerprint_mismatch
 from userlayers import Block
 
 MODES = [False, True]  # use_reentrant
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sample_weights():
+    """Each test makes the fingerprint's sample weights itself: they are cached per (place,
+    size), and mutation testing forks each mutant from a process whose cache the tests filled
+    (a mutant of the code that makes them would otherwise never run)."""
+    tensors._weights.clear()
 
 
 def _unseeded_random():
@@ -371,3 +379,15 @@ def test_fingerprint_tells_small_dropout_masks_apart():
         prints.append(fingerprint(paddle.to_tensor(t).astype("uint8")).numpy())
     for i, j in itertools.combinations(range(len(masks)), 2):
         assert fingerprint_mismatch(prints[i], prints[j]) is not None, (masks[i], masks[j])
+
+
+def test_fingerprint_mismatch_tolerance_is_relative_to_the_larger_magnitude():
+    """Finite fields agree within ``rtol`` times the larger magnitude (a GPU sum may differ in
+    its last bits): at 1e6, a difference of 1 (1e-6 relative) is equal, 100 (1e-4) is not;
+    near zero, only a difference of that relative size is."""
+    f = np.array
+    assert fingerprint_mismatch(f([1e6, 1.0, 1.0, 0.0]), f([1e6 + 1, 1.0, 1.0, 0.0])) is None
+    assert fingerprint_mismatch(f([1e6, 1.0, 1.0, 0.0]), f([1e6 + 100, 1.0, 1.0, 0.0])) == 0
+    assert fingerprint_mismatch(f([1e-3, 1.0, 1.0, 0.0]), f([1e-3 + 1e-9, 1.0, 1.0, 0.0])) is None
+    assert fingerprint_mismatch(f([1e-3, 1.0, 1.0, 0.0]), f([1e-3 + 1e-7, 1.0, 1.0, 0.0])) == 0
+    assert fingerprint_mismatch(f([1.0, 1.0, 1.0, 2.0]), f([1.0, 1.0, 1.0, 2.0]), rtol=0.0) is None
