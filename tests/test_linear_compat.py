@@ -179,14 +179,19 @@ def _run(name):
     }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_same_result_or_same_error_as_paddle(name):
-    plain = _run(name)
+def _plain_and_fused(run, *args):
+    """``run(*args)`` with plain Paddle, then with the fused linear on: ``(plain, ours)``."""
+    plain = run(*args)
     paddle_mgrad.enable(recompute=False, fused_linear=True)
     try:
-        ours = _run(name)
+        return plain, run(*args)
     finally:
         paddle_mgrad.disable()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_result_or_same_error_as_paddle(name):
+    plain, ours = _plain_and_fused(_run, name)
     assert ("error" in plain) == (name in PADDLE_REFUSES), plain
     assert plain.get("fused", 0) == 0, "the reference ran through the fused linear"
     if "error" in plain:
@@ -307,12 +312,7 @@ def test_incubate_fused_linear_same_as_paddle(transpose_weight, bias):
             "fused": stats.linear["forward"] - before,
         }
 
-    plain = run()
-    paddle_mgrad.enable(recompute=False, fused_linear=True)
-    try:
-        ours = run()
-    finally:
-        paddle_mgrad.disable()
+    plain, ours = _plain_and_fused(run)
     if bias == "1xN":  # not ours: Paddle's function, Paddle's result or error
         if "error" not in ours:
             assert ours["fused"] == 0
@@ -359,12 +359,7 @@ def test_incubate_fused_linear_left_to_paddle_keeps_its_arguments(transpose_weig
         (y * y).sum().backward()
         return y.numpy(), x.grad.numpy(), stats.linear["forward"] - before
 
-    plain = run()
-    paddle_mgrad.enable(recompute=False, fused_linear=True)
-    try:
-        ours = run()
-    finally:
-        paddle_mgrad.disable()
+    plain, ours = _plain_and_fused(run)
     assert ours[2] == 0  # not ours
     np.testing.assert_array_equal(ours[0], plain[0])
     np.testing.assert_array_equal(ours[1], plain[1])

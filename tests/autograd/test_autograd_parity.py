@@ -548,12 +548,12 @@ def test_paddle_grad_through_a_transposed_weight(bias, create_graph):
     # gradient (plain Paddle's own result, compared with here)
     xv, wv, bv = (rs.standard_normal(s).astype("float32") for s in ([6, 4], [5, 4], [5]))
 
-    def run(ours):
+    def scenario():
         x = paddle.to_tensor(xv, stop_gradient=False)
         w, b = (paddle.to_tensor(v, stop_gradient=False) for v in (wv, bv))
         ins = [x, w, b] if bias else [x, w]
         before = stats.linear["functional_backward"]
-        if ours:
+        if paddle_mgrad.enabled()["fused_linear"]:
             y = inc(x, w, b if bias else None, transpose_weight=True)
         else:
             y = paddle.matmul(x, w, transpose_y=True) + (b if bias else 0)
@@ -563,15 +563,12 @@ def test_paddle_grad_through_a_transposed_weight(bias, create_graph):
         if create_graph:
             sum((g * g).sum() for g in grads).backward()
             result["double"] = [_np(t.grad) for t in ins]
-        return result, stats.linear["functional_backward"] - before
+        result["functional"] = stats.linear["functional_backward"] - before
+        return result
 
-    plain, _ = run(False)
-    paddle_mgrad.enable(recompute=False, fused_linear=True)
-    try:
-        ours, functional = run(True)
-    finally:
-        paddle_mgrad.disable()
-    assert functional >= 1  # our PyLayer's paddle.grad path ran
+    plain, ours = _both(scenario)
+    assert "error" not in plain and "error" not in ours, (plain, ours)
+    assert plain.pop("functional") == 0 and ours.pop("functional") >= 1  # our paddle.grad path
     assert plain["untouched"] == [True] * len(plain["untouched"])
     _close(ours, plain, "result")
 
@@ -588,20 +585,19 @@ def test_paddle_grad_finds_a_node_whose_output_died(monkeypatch, bias):
     rs = np.random.RandomState(8)
     xv, wv, bv = (rs.standard_normal(s).astype("float32") for s in ([3, 4], [4, 5], [5]))
 
-    def run(ours):
+    def scenario():
         x = paddle.to_tensor(xv, stop_gradient=False)
         w, b = (paddle.to_tensor(v, stop_gradient=False) for v in (wv, bv))
         monkeypatch.setattr(passes, "_functional_seen", False)
         out = paddle.tanh(F.linear(x, w, b if bias else None)).sum()  # (the linear's output dies)
         before = stats.linear["functional_backward"]
         grads = paddle.grad(out, [x, w])
-        return [_np(g) for g in grads], stats.linear["functional_backward"] - before
+        return {
+            "grads": [_np(g) for g in grads],
+            "functional": stats.linear["functional_backward"] - before,
+        }
 
-    plain, _ = run(False)
-    paddle_mgrad.enable(recompute=False, fused_linear=True)
-    try:
-        ours, functional = run(True)
-    finally:
-        paddle_mgrad.disable()
-    assert functional == 1
+    plain, ours = _both(scenario)
+    assert "error" not in plain and "error" not in ours, (plain, ours)
+    assert plain.pop("functional") == 0 and ours.pop("functional") == 1  # our paddle.grad path
     _close(ours, plain, "grads")
