@@ -115,8 +115,11 @@ bool contiguous(const paddle::Tensor& t) {
 bool main_grad_ok(PyObject* p, paddle::DataType want) {
   PyObject* mg = PyObject_GetAttr(p, g_main_grad);
   if (!mg) {
-    PyErr_Clear();  // no attribute: nothing to check (any other error: the check's)
-    return true;
+    // No attribute: nothing to check.  Any other error (a property that raises) is not an
+    // absent main_grad: the checked Python path reads it again and raises the user's error.
+    const bool absent = PyErr_ExceptionMatches(PyExc_AttributeError);
+    PyErr_Clear();
+    return absent;
   }
   bool ok = mg == Py_None;
   if (!ok) {

@@ -278,6 +278,35 @@ def test_main_grad_replaced_by_other_dtype_or_shape_is_refused_every_time():
 
 
 @pytest.mark.parametrize("which", ["weight", "bias"])
+def test_main_grad_that_cannot_be_read_fails_in_the_forward(which):
+    """A ``main_grad`` whose read raises (a user's property) is not a missing one: the forward
+    raises the user's error, and the op library's route leaves no Python error pending."""
+    lin = paddle.nn.Linear(5, 3)
+    x = paddle.randn([4, 5])
+    p = getattr(lin, which)
+
+    class Unreadable(type(p)):
+        @property
+        def main_grad(self):
+            raise RuntimeError("main_grad is on another device")
+
+    cls = p.__class__
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        xi = x.detach()
+        xi.stop_gradient = False
+        p.__class__ = Unreadable
+        with pytest.raises(RuntimeError, match="main_grad is on another device"):
+            lin(xi)
+        p.__class__ = cls
+        lin(xi).sum().backward()  # and the next call goes on
+        assert p.grad is not None  # (no main_grad here: the plain gradient)
+    finally:
+        p.__class__ = cls
+        paddle_mgrad.disable()
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
 def test_main_grad_of_another_dtype_fails_in_the_forward(which):
     """The forward itself refuses a non-master ``main_grad`` (the op library's route checks it,
     the forward raises), before any backward runs."""

@@ -20,7 +20,8 @@ on a CPU attention's softmax and the elementwise ops weigh more), so it is measu
 * **Choice**: candidates in decreasing replay time per byte kept, each taken while the bytes
   taken stay within ``f`` times the block's activation bytes (one that does not fit is passed
   over for a smaller one after it).  A candidate that costs no byte is always taken.  From then
-  on the kind runs as ``save:`` of the chosen sublayers; the plan is in
+  on the kind runs as ``save:`` of the chosen sublayers (in a tensor-parallel group, the plan
+  of the group's first rank: every rank must replay the same collectives); the plan is in
   ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen, measured seconds and bytes).
 
 ``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
@@ -109,16 +110,21 @@ class Planner:
             kind = self.kinds[key]
             if kind.chosen is not None:
                 return
+            if not sublayers.times:
+                return  # the call ran none of the candidates (a branch around them): no measure
             for name in kind.names:
-                seconds = sublayers.times.get(name, 0.0)
-                best = kind.seconds[name]
-                kind.seconds[name] = seconds if best is None else min(best, seconds)
+                seconds = sublayers.times.get(name)
+                if seconds is not None:  # the minimum over the calls that ran it
+                    best = kind.seconds[name]
+                    kind.seconds[name] = seconds if best is None else min(best, seconds)
                 kind.bytes[name] += sublayers.costs.get(name, 0)
             kind.block_bytes += block_bytes
             kind.calls += 1
             if kind.calls < MEASURED_CALLS:
                 return
-            kind.chosen = self._choose(kind)
+            group = _lockstep_group()
+            chosen = self._choose(kind)
+            kind.chosen = chosen if group is None else _agreed(kind.names, chosen, group)
             report = self._report(kind)
         stats.set_plan(self.name, key[0], report)
 
@@ -147,9 +153,37 @@ class Planner:
             "budget_bytes": int(self.fraction * kind.block_bytes / calls),
             "block_bytes": kind.block_bytes // calls,
             "measured": {
-                n: {"seconds": kind.seconds[n], "bytes": kind.bytes[n] // calls} for n in kind.names
+                n: {"seconds": kind.seconds[n] or 0.0, "bytes": kind.bytes[n] // calls}
+                for n in kind.names
             },
         }
+
+
+def _lockstep_group():
+    """The ranks that must keep the same sublayers, or None: the tensor-parallel group.
+
+    Its ranks run each sublayer's collectives (a row-parallel linear's all-reduce) together;
+    a sublayer kept on one rank is not replayed there while another rank's replay waits in
+    its all-reduce.  Measured times differ between ranks (noise, a slower core), so plans
+    made on each rank alone can differ: they are agreed on (:func:`_agreed`)."""
+    try:
+        from paddle.distributed import fleet
+
+        group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
+    except AttributeError:  # fleet not initialised: no hybrid group
+        return None
+    return group if group is not None and group.nranks > 1 else None
+
+
+def _agreed(names, chosen, group):
+    """The plan of the group's first rank, on every rank of ``group``: the chosen names as a
+    mask over ``names`` (the same on every rank: one kind, one class), broadcast from it."""
+    import paddle
+    import paddle.distributed as dist
+
+    mask = paddle.to_tensor([int(n in chosen) for n in names], dtype="int32")
+    dist.broadcast(mask, src=group.ranks[0], group=group)
+    return tuple(n for n, keep in zip(names, mask.numpy().tolist()) if keep)
 
 
 def _per_byte(seconds, nbytes):

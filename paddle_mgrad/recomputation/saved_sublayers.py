@@ -64,6 +64,28 @@ _active = thread_state("ActiveBlock", block=None)
 
 
 # -- which sublayers ------------------------------------------------------------
+def _closed_over(function):
+    """The values ``function`` closes over.  A segment of fleet's pipeline
+    (``PipelineLayer.forward_function``) closes over the stage's whole layer list and the
+    int bounds ``start``/``end`` of its segment: a list or tuple among the values is sliced
+    to them, so the segment's Layers are found, not the stage's first ones."""
+    cells = getattr(function, "__closure__", None) or ()
+    code = getattr(function, "__code__", None)
+    names = code.co_freevars if code is not None else ()
+    values = {}
+    for name, cell in zip(names, cells):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    start, end = values.get("start"), values.get("end")
+    if type(start) is int and type(end) is int:
+        for name, value in values.items():
+            if isinstance(value, (list, tuple)):
+                values[name] = value[start:end]
+    return list(values.values())
+
+
 def block_layers(function, args, kwargs):
     """The Layers a block runs (module docstring): found through the function, one level of
     closures and partials, and the arguments."""
@@ -87,11 +109,8 @@ def block_layers(function, args, kwargs):
             for o in obj:
                 visit(o, depth + 1)
             return
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                visit(cell.cell_contents, depth + 1)
-            except ValueError:  # an empty cell
-                pass
+        for value in _closed_over(obj):
+            visit(value, depth + 1)
 
     visit(function, 0)
     for a in (*args, *kwargs.values()):

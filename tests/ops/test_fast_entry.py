@@ -355,10 +355,31 @@ def test_route_answers_zero_sizes_as_python(entry, x_shape, w_shape, bias):
 # what a parameter's main_grad may be: absent, None, a dense tensor of any dtype, a strided
 # view, something else
 _MAIN_GRADS = ["absent", "none", *_DTYPES, "strided", "numpy", "string"]
+_MAIN_GRADS += ["raises", "raises_attribute"]
+_RAISING = {}
+
+
+def _raising(p, error):
+    """``p`` with a ``main_grad`` property that raises ``error`` (a user's lazy ``main_grad``
+    that fails): its class swapped for a subclass, one per error type."""
+    if error not in _RAISING:
+
+        def main_grad(self):
+            raise error("main_grad cannot be read")
+
+        _RAISING[error] = type(
+            f"Raising{error.__name__}", (type(p),), {"main_grad": property(main_grad)}
+        )
+    p.__dict__.pop("main_grad", None)
+    p.__class__ = _RAISING[error]
 
 
 def _with_main_grad(p, kind):
-    if kind == "absent":
+    if kind == "raises":
+        _raising(p, RuntimeError)
+    elif kind == "raises_attribute":
+        _raising(p, AttributeError)  # as a missing attribute
+    elif kind == "absent":
         p.__dict__.pop("main_grad", None)
     elif kind == "none":
         p.main_grad = None
@@ -395,7 +416,8 @@ def test_route_checks_main_grads_as_the_forward_would(entry, dtype, bias, kinds,
     facts = ops.fast_route(paddle.ones([4, 3], dtype), w, b, False)
     assert (facts.dtype, facts.where) == (dtype, "cpu")
     master = "float64" if dtype == "float64" else "float32"
-    plain = {"absent", "none", master} | ({"strided"} if master == "float32" else set())
+    plain = {"absent", "raises_attribute", "none", master}
+    plain |= {"strided"} if master == "float32" else set()
     used = kinds[: 1 + bias]
     event(f"main_grads {facts.main_grads}")
     assert facts.main_grads is all(k in plain for k in used)
@@ -414,6 +436,10 @@ def test_route_checks_main_grads_common_cases(entry):
     b.main_grad = paddle.zeros([3], "bfloat16")
     assert ops.fast_route(x, w, b, False).main_grads is False
     assert ops.fast_route(x, w, None, False).main_grads is True  # (no bias: not asked)
+    _raising(b, RuntimeError)  # a failing read is not an absent main_grad: checked again
+    assert ops.fast_route(x, w, b, False).main_grads is False
+    _raising(b, AttributeError)  # is a missing one
+    assert ops.fast_route(x, w, b, False).main_grads is True
     w64 = paddle.create_parameter([4, 3], "float64")
     w64.main_grad = paddle.zeros([4, 3])
     assert ops.fast_route(x.astype("float64"), w64, None, False).main_grads is False

@@ -104,6 +104,79 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
     assert report["block_bytes"] == 200 and report["budget_bytes"] == int(fraction * 200)
 
 
+def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS):
+    for _ in range(calls):
+        planner.measured(key, _Figures(dict(seconds), dict(costs)), 200)
+
+
+def test_calls_that_ran_none_of_the_sublayers_measure_nothing(fresh_plans):
+    """A call whose branch ran none of the candidates is not a measured call (it would plan on
+    too few measures), and a candidate's minimum is over the calls that ran it: a call that
+    skipped it does not make it look free of time."""
+    names = ("a", "b")
+    planner = budget.Planner("budget:test", 1.0)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind(names)
+    _measure(planner, key, {}, {}, calls=5)
+    assert planner.kinds[key].calls == 0 and planner.kinds[key].chosen is None
+    _measure(planner, key, {"b": 1.0}, {"b": 10}, calls=1)
+    _measure(planner, key, {"a": 2.0, "b": 1.0}, {"a": 10, "b": 10}, calls=2)
+    assert planner.kinds[key].chosen == ("a", "b")
+    measured = stats.snapshot()["plans"]["budget:test"]["Block"]["measured"]
+    assert measured["a"]["seconds"] == 2.0 and measured["b"]["seconds"] == 1.0
+
+
+class _Group:
+    """A tensor-parallel group of two ranks, as fleet's hybrid group answers it."""
+
+    nranks, ranks = 2, [4, 5]
+
+    def get_model_parallel_group(self):
+        return self
+
+
+def test_a_tensor_parallel_group_runs_its_first_ranks_plan(fresh_plans, monkeypatch):
+    """Ranks of a tensor-parallel group measure different times; a sublayer kept on one and
+    replayed on the other would leave the other's all-reduce waiting.  Each rank's plan is
+    replaced by the one broadcast from the group's first rank."""
+    from paddle.distributed import fleet
+
+    sent = []
+
+    def broadcast(mask, src, group=None, sync_op=True):
+        sent.append((mask.numpy().tolist(), src, group))
+        mask.set_value(paddle.to_tensor([1, 0, 0], dtype="int32"))  # the first rank's plan
+
+    monkeypatch.setattr(fleet, "get_hybrid_communicate_group", lambda: _Group())
+    monkeypatch.setattr(paddle.distributed, "broadcast", broadcast)
+    names = ("a", "b", "c")
+    planner = budget.Planner("budget:test", 0.1)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind(names)
+    _measure(planner, key, {"a": 1.0, "b": 9.0, "c": 1.0}, {"a": 50, "b": 10, "c": 0})
+    assert len(sent) == 1 and sent[0][1:] == (4, sent[0][2])
+    assert sent[0][0] == [0, 1, 1]  # this rank's own plan: b and c
+    assert isinstance(sent[0][2], _Group)
+    assert planner.kinds[key].chosen == ("a",)
+    assert stats.snapshot()["plans"]["budget:test"]["Block"]["chosen"] == ["a"]
+
+
+def test_outside_fleet_there_is_no_group_to_agree_with(fresh_plans, monkeypatch):
+    def not_initialised():
+        raise AttributeError("'Fleet' object has no attribute '_hcg'")
+
+    from paddle.distributed import fleet
+
+    monkeypatch.setattr(fleet, "get_hybrid_communicate_group", not_initialised)
+    assert budget._lockstep_group() is None
+    group = _Group()
+    group.nranks = 1
+    monkeypatch.setattr(fleet, "get_hybrid_communicate_group", lambda: group)
+    assert budget._lockstep_group() is None
+    group.nranks = 2
+    assert budget._lockstep_group() is group
+
+
 def test_measured_bytes_are_what_save_keeps(fresh_plans):
     """A candidate's measured bytes (its ops' saved activations and its outputs) equal what
     ``save:`` of that sublayer keeps (``kept_bytes``)."""

@@ -244,6 +244,21 @@ def run_layers(layers):
     return execute
 
 
+def test_a_pipeline_segment_is_its_slice_of_the_stages_layers():
+    """Fleet's pipeline recomputes a segment of a stage: a closure over the stage's whole layer
+    list and the segment's bounds (Paddle's own ``PipelineLayer.forward_function``).  Its
+    Layers are the segment's, not the stage's first ones (which a budget would plan for)."""
+    import types
+
+    from paddle.distributed.fleet.meta_parallel.parallel_layers.pp_layers import PipelineLayer
+
+    paddle.seed(11)
+    stage = [paddle.nn.Linear(D, D), Decoder(), paddle.nn.Linear(D, D)]
+    segment = PipelineLayer.forward_function(types.SimpleNamespace(run_function=stage), 1, 2)
+    assert saved_sublayers.block_layers(segment, (), {}) == [stage[1]]
+    assert saved_sublayers.block_layers(run_layers(stage), (), {}) == stage  # (no bounds)
+
+
 def test_patterns_match_class_names_and_paths_outermost_first():
     paddle.seed(11)
     net = Decoder()
