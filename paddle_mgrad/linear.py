@@ -525,6 +525,9 @@ def fused_linear(x, weight, bias=None, name=None):
     """Drop-in for ``paddle.nn.functional.linear`` with fused in-place weight gradients."""
     facts = route(x, weight, bias)
     if facts is None:
+        kept = _recomputing_state.kept
+        if kept is not None and not _global_var._dygraph_tracer_._has_grad:
+            return _linear_without_grad_under_policy(kept, x, weight, bias, name)
         return original("linear")(x, weight, bias, name)
     pack = _recomputing_state.pack
     if pack is not None:
@@ -534,6 +537,22 @@ def fused_linear(x, weight, bias=None, name=None):
     if kept is not None:  # a recompute policy that keeps GEMM outputs
         kept.add(x, weight, y)
     return y
+
+
+def _linear_without_grad_under_policy(kept, x, weight, bias, name):
+    """Paddle's linear with grad off (inside a user's ``PyLayer`` forward, a ``no_grad``
+    region) in a block whose recompute policy keeps GEMM outputs.  It saves nothing for
+    backward, so the block's forward and its recomputation run it alike: the forward offers
+    its output to the policy, the recomputation takes it back instead of multiplying again
+    (the ``PyLayer`` around it saves what it saves, from the same values)."""
+    if _recomputing_state.pack is None:
+        y = original("linear")(x, weight, bias, name)
+        kept.add(x, weight, y)
+        return y
+    found = kept.take(x, weight)
+    if found is None:
+        return original("linear")(x, weight, bias, name)
+    return found[0].detach()
 
 
 def _recomputed_linear(x, weight, bias, pack):

@@ -462,3 +462,94 @@ def test_a_save_policy_is_made_once_per_name(monkeypatch):
     )
     assert made.kept_outputs() is None
     assert policy_mod.resolve("save:mlp.down,*Norm") is made
+
+
+class UserLinear(paddle.autograd.PyLayer):
+    """A user's own linear: Paddle's linear inside a ``PyLayer`` forward (grad off there), the
+    gradients by hand in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return paddle.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensor()
+        return dy.matmul(weight, transpose_y=True), x.matmul(dy, transpose_x=True), dy.sum(0)
+
+
+class UserMLP(MLP):
+    """:class:`MLP` whose gate, up and down run through :class:`UserLinear`."""
+
+    def block(self, h):
+        def lin(layer, v):
+            return UserLinear.apply(v, layer.weight, layer.bias)
+
+        g = lin(self.gate, h)
+        if self.op is not None:
+            g = self.op(g)
+        return lin(self.down, paddle.nn.functional.silu(g) * lin(self.up, h))
+
+
+@pytest.mark.parametrize("op, kept", [(None, 3), ("add_", 2)])
+@pytest.mark.parametrize("mode", MODES)
+def test_gemm_policy_keeps_the_linears_inside_a_users_pylayer(mode, op, kept):
+    """A linear inside a user's ``PyLayer`` runs with grad off: it is still a GEMM of the block,
+    kept by ``gemm`` (and recomputed where its output was changed in place)."""
+
+    def run(how, policy=None):
+        return policy_runs.train(
+            lambda: UserMLP(None if op is None else IN_PLACE[op]),
+            how,
+            policy,
+            2,
+            block=lambda net: net.block,
+            block_input=lambda net, x: net.pre(x),
+            seed=7,
+            data_seed=1,
+            rows=ROWS,
+            d=D,
+        )
+
+    ref = run("none")
+    stats.reset()
+    got = run(mode, "gemm")
+    assert_identical(got, ref)
+    counters = stats.snapshot()["policy"]["gemm"]
+    assert counters["kept_outputs"] == 2 * kept
+    assert counters["gemms_not_recomputed"] == 2 * kept
+
+
+class FrozenGateMLP(MLP):
+    """:class:`MLP` with a frozen gate: Paddle's own linear, with grad on, saving ``h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate.weight.stop_gradient = self.gate.bias.stop_gradient = True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gemm_policy_recomputes_a_frozen_linear(mode):
+    """A frozen linear with grad on is Paddle's, saving tensors for backward: it is
+    recomputed (the recomputation must save what the forward saved), the others kept."""
+
+    def run(how, policy=None):
+        return policy_runs.train(
+            FrozenGateMLP,
+            how,
+            policy,
+            2,
+            block=lambda net: net.block,
+            block_input=lambda net, x: net.pre(x),
+            seed=7,
+            data_seed=1,
+            rows=ROWS,
+            d=D,
+        )
+
+    ref = run("none")
+    stats.reset()
+    got = run(mode, "gemm")
+    assert_identical(got, ref)
+    assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 2 * 2
