@@ -588,12 +588,13 @@ def _recomputed_linear(x, weight, bias, pack):
     return _recomputing.replayed_output(y, False)
 
 
-def apply_under_policy(apply, x, weight, *args):
-    """``apply(x, weight, *args)``: the ``apply`` of a fused linear ``PyLayer`` that saves only
-    ``x`` (fleet's overlap linears), under the recompute policy of the block running it.  In
+def apply_under_policy(apply, x, weight, *args, saves=None):
+    """``apply(x, weight, *args)``: the ``apply`` of a fused linear ``PyLayer`` that saves one
+    tensor (fleet's overlap linears), under the recompute policy of the block running it.  In
     the block's forward the output is offered to the policy (``KeptOutputs.add``); in its
-    recomputation a kept output is handed back (``x`` to the pack hook, as the ``PyLayer``
-    would save it) instead of multiplying again.  Outside a policy: ``apply`` itself."""
+    recomputation a kept output is handed back instead of multiplying again, and the tensor the
+    ``PyLayer`` would save goes to the pack hook: ``x``, or ``saves(x)`` (the sequence-parallel
+    linear saves its all-gathered input).  Outside a policy: ``apply`` itself."""
     kept = _recomputing_state.kept
     if kept is None:
         return apply(x, weight, *args)
@@ -605,7 +606,7 @@ def apply_under_policy(apply, x, weight, *args):
     found = kept.take(x, weight)
     if found is None:
         return apply(x, weight, *args)
-    pack(x)
+    pack(x if saves is None else saves(x))
     return _recomputing.replayed_output(found[0].detach(), found[1])
 
 

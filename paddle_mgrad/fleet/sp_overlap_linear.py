@@ -29,7 +29,13 @@ from __future__ import annotations
 from .. import stats
 from .._compat import paddle
 from ..autograd import backward_errors, passes as autograd_passes
-from ..linear import check_main_grads, input_grad, plain_param_grads, stash_for_backward
+from ..linear import (
+    apply_under_policy,
+    check_main_grads,
+    input_grad,
+    plain_param_grads,
+    stash_for_backward,
+)
 from .collective_overlap import let_collective_start
 from .overlap_linear import forward_matmul, grads_while
 
@@ -42,8 +48,30 @@ def _sp_utils():
     return sequence_parallel_utils
 
 
+def _gather(x):
+    """The sequence-parallel input all ranks' shards make (what the forward multiplies)."""
+    return _sp_utils().all_gather(x)
+
+
 class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
     """Drop-in for fleet's ``SPInnerOverlapLinear`` (see module docstring)."""
+
+    @classmethod
+    def apply(cls, x, weight, bias, fuse_matmul_bias, recompute_allgather, *args):
+        # under a recompute policy that keeps GEMM outputs, its output is one of them; a
+        # recomputation that takes it back still saves what the forward saves: x, or (without
+        # recompute_allgather) the gathered input, gathered again as under full recompute
+        saves = None if recompute_allgather else _gather
+        return apply_under_policy(
+            super().apply,
+            x,
+            weight,
+            bias,
+            fuse_matmul_bias,
+            recompute_allgather,
+            *args,
+            saves=saves,
+        )
 
     @staticmethod
     def forward(
@@ -57,7 +85,7 @@ class SPOverlapLinearWithGradAdd(autograd_passes.GuardedPyLayer):
         model_parallel_group,
     ):
         check_main_grads(weight, bias)  # before the all-gather: no collective on bad input
-        input_parallel = _sp_utils().all_gather(x)
+        input_parallel = _gather(x)
         # what backward's dW needs: the gathered input, or (recompute_allgather) x alone
         stash_for_backward(ctx, x if recompute_allgather else input_parallel, weight, bias)
         ctx.x_needs_grad = not x.stop_gradient

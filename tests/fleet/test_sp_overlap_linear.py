@@ -245,3 +245,63 @@ def test_paddle_grad_returns_plain_gradients(comm, wrt, recompute_allgather):
     assert bool(comm["rs"]) == ("x" in wrt.split("+"))  # dx reduce-scattered only when asked
     assert layer.weight.main_grad is None and layer.bias.main_grad is None
     assert layer.weight.grad is None and layer.bias.grad is None
+
+
+def _policy_run(comm, how, policy, recompute_allgather):
+    """Two micro-steps of ``tanh(linear(x))`` through the overlap linear (fused grad add, fp32
+    master grads), recompute ``how`` ("none" or a mode) under ``policy``: outputs, input
+    gradients, main_grads."""
+    from paddle.distributed.fleet.utils import recompute
+
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        paddle.seed(3)
+        layer = paddle.nn.Linear(H, N)
+        MixPrecisionLayer(layer, dtype="bfloat16")
+        rs = np.random.RandomState(4)
+        comm["other"] = paddle.to_tensor(rs.standard_normal((S, B, H)).astype("float32"))
+        result = {}
+
+        def block(t):
+            return paddle.tanh(_apply(t, layer, recompute_allgather, fused_gradadd=True))
+
+        for step in range(2):
+            x = paddle.to_tensor(rs.standard_normal((S, B, H)).astype("float32"))
+            x.stop_gradient = False
+            if how == "none":
+                y = block(x * 1.0)
+            else:
+                y = paddle_mgrad.recompute(
+                    block, x * 1.0, use_reentrant=how == "reentrant", policy=policy
+                )
+            (y * y).sum().backward()
+            result[f"y{step}"], result[f"dx{step}"] = y.numpy(), x.grad.numpy()
+        result["w"] = layer.weight.main_grad.numpy()
+        result["b"] = layer.bias.main_grad.numpy()
+        return result
+    finally:
+        paddle_mgrad.disable()
+
+
+@pytest.mark.parametrize("recompute_allgather", [False, True])
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("policy", ["full", "gemm"])
+def test_under_a_recompute_policy_as_without_recompute(
+    comm, monkeypatch, policy, mode, recompute_allgather
+):
+    """Under ``gemm`` its output is kept and not multiplied again; the recomputation still
+    saves what its forward saved (``x``, or the gathered input, gathered again): outputs and
+    gradients bit-identical to no recompute."""
+    ref = _policy_run(comm, "none", None, recompute_allgather)
+    stats.reset()
+    gathers = []
+    real = spu.all_gather
+    monkeypatch.setattr(spu, "all_gather", lambda x: gathers.append(1) or real(x))
+    got = _policy_run(comm, mode, policy, recompute_allgather)
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+    # each step: the forward's gather, and the recomputation's (under gemm only where the
+    # gathered input is what backward needs)
+    assert len(gathers) == 2 * (1 + (policy == "full" or not recompute_allgather))
+    if policy == "gemm":
+        assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 2
