@@ -251,7 +251,6 @@ def _policy_run(comm, how, policy, recompute_allgather):
     """Two micro-steps of ``tanh(linear(x))`` through the overlap linear (fused grad add, fp32
     master grads), recompute ``how`` ("none" or a mode) under ``policy``: outputs, input
     gradients, main_grads."""
-    from paddle.distributed.fleet.utils import recompute
 
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
