@@ -24,7 +24,9 @@ run without recompute:
 * with ``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm`` (``non_reentrant_gemm``: the fused linears'
   outputs kept from the forward, set in the environment only) the same, bit-identical, and
   the policy's counters show GEMMs that were not recomputed; with ``save:`` (``non_reentrant_save``:
-  every decoder layer's attention kept whole) the same, and no attention call recomputed.
+  every decoder layer's attention kept whole) the same, and no attention call recomputed;
+  with ``budget:0.5`` (``non_reentrant_budget``) the same, with one plan for the decoder layers
+  within the budget, followed by the calls after the measured ones.
 
 Most families call Paddle's ``recompute`` without ``use_reentrant`` (always reentrant,
 whatever ``recompute_use_reentrant`` says; families.py): the driver forces the mode through
@@ -89,7 +91,10 @@ MICRO, LAYERS = 2, 2  # train_family.MICRO, families.COMMON["num_hidden_layers"]
 SAVE = "save:self_attn,*Attention"  # train_family.SAVE
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
 AFTER_ERROR = tuple(m + "_after_error" for m in RECOMPUTE_MODES)
-POLICIES = ("non_reentrant_gemm", "non_reentrant_save")  # train_family.py: the policies
+BUDGET = "budget:0.5"  # train_family.BUDGET
+MEASURED_CALLS = 3  # paddle_mgrad.recomputation.budget.MEASURED_CALLS
+# train_family.py: the policies
+POLICIES = ("non_reentrant_gemm", "non_reentrant_save", "non_reentrant_budget")
 INJECTED = "injected error in a recomputation"
 # the runnable families whose modeling modules import only with family_standins.py
 NEEDS_STANDINS = {
@@ -190,7 +195,9 @@ def check_mode(family, mode, r, g, ref, ref_grads):
     if "error" in r:
         return [f"{mode}: {short(r['error'])}"]
     problems = []
-    base = mode.replace("_after_error", "").replace("_gemm", "").replace("_save", "")
+    base = mode.replace("_after_error", "")
+    for policy in ("_gemm", "_save", "_budget"):
+        base = base.replace(policy, "")
     failed_step = mode.endswith("_after_error")  # one more micro-step ran first, and raised
     if failed_step:
         if INJECTED not in (r["injected_error"] or ""):
@@ -268,9 +275,33 @@ def check_mode(family, mode, r, g, ref, ref_grads):
                 f"save policy counters {pol} (expected {calls} calls, {layers} "
                 "attention calls not recomputed)"
             )
+    elif mode.endswith("_budget"):
+        problems += _check_budget(family, r, calls, blocks)
     elif pol:
         problems.append(f"a policy ran: {pol}")
     return [f"{mode}: {p}" for p in problems]
+
+
+def _check_budget(family, r, calls, blocks):
+    """``budget:``: every block call counted; the decoder layers (one kind) measured in their
+    first calls, then planned within the budget, the planned calls skipping what was chosen."""
+    s, plans = r["policy"].get(BUDGET, {}), r["plans"].get(BUDGET, {})
+    if not (s.get("calls") == calls and s.get("replays") == blocks):
+        return [f"budget policy counters {r['policy']} (expected {calls} calls)"]
+    if FAMILIES[family][4] is None:  # (no decoder layer recomputed: nothing planned)
+        return [] if not plans else [f"plans without decoder layers: {plans}"]
+    if len(plans) != 1:
+        return [f"not one plan for the decoder layers: {sorted(plans)}"]
+    (plan,) = plans.values()
+    chosen = plan["chosen"]
+    taken = sum(plan["measured"][n]["bytes"] for n in chosen)
+    planned = MICRO * LAYERS - MEASURED_CALLS
+    problems = []
+    if not (chosen and taken <= plan["budget_bytes"] < plan["block_bytes"]):
+        problems.append(f"plan {plan} (nothing chosen, or over the budget)")
+    if s.get("sublayers_not_recomputed") != planned * len(chosen):
+        problems.append(f"budget counters {s} ({planned} planned calls of {chosen})")
+    return problems
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

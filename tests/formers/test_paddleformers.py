@@ -81,13 +81,15 @@ ZERO1_CPU = ["--sharding", "stage1", "--split_param", "false"]
 SMOOTH_ADAM = ["--adam_epsilon", "1e-6"]
 
 
-def run_script(tmp_path, name, flags, mode, nproc=1, timeout=600):
+def run_script(tmp_path, name, flags, mode, nproc=1, timeout=600, extra_env=None):
     """mode: "mgrad" (PADDLE_MGRAD=all + evidence), "audit" (evidence only, paddle_mgrad off),
     "plain" (no paddle_mgrad); nproc > 1: data parallel through paddle.distributed.launch (gloo).
+    ``extra_env``: more environment variables for the script.
     Returns (returncode, output with the workers' logs, out_dir)."""
     out_dir = tmp_path / name
     env = script_env()
     env.pop("PYTHONPATH", None)
+    env.update(extra_env or {})
     if mode in ("mgrad", "audit"):
         with_evidence(env, out_dir / "audit", EVIDENCE)
     if mode == "mgrad":
@@ -186,6 +188,32 @@ def test_trainer_every_flag_with_paddle_mgrad_matches_plain(tmp_path, plain_run)
     assert a["recompute"]["reentrant"] == a["recompute"]["recomputations"] == MICRO * (LAYERS + 1)
     assert a["recompute"]["non_reentrant"] == 0
     assert "recompute" in a["installed"] and "linear" in a["installed"]
+
+
+@pytest.mark.parametrize("policy", ["gemm", "budget:0.5"])
+def test_trainer_under_a_recompute_policy_matches_plain(tmp_path, plain_run, policy):
+    """Every flag and ``PADDLE_MGRAD_RECOMPUTE_POLICY`` in the environment, nothing else
+    changed: PaddleFormers' reentrant calls run on the non-reentrant engine (a policy needs
+    it; same results), the losses and parameters are the plain run's, every gradient lands
+    once in fp32 ``main_grad``, and GEMMs (``gemm``) or sublayers (``budget:``) are spared."""
+    env = {"PADDLE_MGRAD_RECOMPUTE_POLICY": policy}
+    rc, out, on = run_script(tmp_path, "on", ALL_FLAGS, "mgrad", extra_env=env)
+    assert rc == 0, out[-5000:]
+    compare(on, plain_run, f"PaddleFormers Trainer, every flag, {policy} policy vs plain")
+    a = audit(on)
+    check_main_grad(a)
+    blocks = MICRO * (LAYERS + 1)  # each decoder layer and the loss, each micro-step
+    rc_ = a["recompute"]
+    assert rc_["reentrant"] == rc_["reentrant_as_non_reentrant"] == blocks, rc_
+    assert rc_["recomputations"] == blocks, rc_
+    g = a["policy"].get(policy, {})
+    assert g.get("calls") == g.get("replays") == blocks, a["policy"]
+    if policy == "gemm":
+        assert g.get("gemms_not_recomputed", 0) > 0, a["policy"]
+    else:
+        plans = a["plans"][policy]
+        assert plans and all(p["chosen"] for p in plans.values()), plans
+        assert g.get("sublayers_not_recomputed", 0) > 0, (g, plans)
 
 
 def test_trainer_two_ranks_data_parallel(tmp_path):

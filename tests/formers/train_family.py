@@ -16,6 +16,8 @@ linear; no optimizer step, so what is compared is the accumulated gradient itsel
   (every fused linear's output kept from the forward, no GEMM recomputed);
 * ``non_reentrant_save``: as ``non_reentrant``, with the ``save:`` policy :data:`SAVE`
   (each decoder layer's attention kept whole from the forward, not recomputed);
+* ``non_reentrant_budget``: as ``non_reentrant``, with the ``budget:`` policy :data:`BUDGET`
+  (the decoder layers' first calls measured, then the planned sublayers kept);
 * ``<mode>_after_error``: as ``<mode>``, after a first micro-step whose first recomputed block
   (decoder layer 0; the loss for qwen3_next) raised in backward, in its recomputation -- an
   injected error, caught here as a training loop would: grad mode must be back on and the
@@ -61,11 +63,14 @@ MODES = (
     *(m + "_after_error" for m in RECOMPUTE_MODES),
     "non_reentrant_gemm",
     "non_reentrant_save",
+    "non_reentrant_budget",
 )
 POLICY_ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 #: the policy of ``non_reentrant_save``: the attention sublayer by attribute path or class name
 SAVE = "save:self_attn,*Attention"
-POLICY_OF = {"_gemm": "gemm", "_save": SAVE}
+#: the policy of ``non_reentrant_budget``: the planner's choice within half the bytes
+BUDGET = "budget:0.5"
+POLICY_OF = {"_gemm": "gemm", "_save": SAVE, "_budget": BUDGET}
 INJECTED = "injected error in a recomputation (tests/formers/train_family.py)"
 
 
@@ -207,7 +212,7 @@ def _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
     result["main_grad_dtypes"] = sorted(dtypes)
     snap = stats.snapshot()
     result["recompute"], result["linear"] = snap["recompute"], snap["linear"]
-    result["policy"] = snap["policy"]
+    result["policy"], result["plans"] = snap["policy"], snap["plans"]
     np.savez(os.path.join(out_dir, f"{mode}.npz"), **grads)
     return model, result
 

@@ -53,12 +53,14 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def run_script(tmp_path, name, flags, mode, nproc=1, timeout=900):
+def run_script(tmp_path, name, flags, mode, nproc=1, timeout=900, extra_env=None):
     """mode: "mgrad" (PADDLE_MGRAD=all + evidence), "plain" (no paddle_mgrad; zlib imported first
     by a wrapper so that Paddle 2.6 gets as far as training), "bare" (no paddle_mgrad at all).
+    ``extra_env``: more environment variables for the script.
     Returns (returncode, output, out_dir)."""
     out_dir = tmp_path / name
     env = script_env()
+    env.update(extra_env or {})
     script = [SCRIPT]
     if mode == "mgrad":
         with_evidence(env, out_dir / "audit", EVIDENCE)
@@ -91,13 +93,19 @@ def audits(out_dir, nproc):
     return [json.load(open(out_dir / "audit" / f"audit.{r}.json")) for r in range(nproc)]
 
 
-def check_evidence(a):
+def check_main_grads(a):
+    """Every trainable parameter's gradient landed in fp32 ``main_grad``, once per micro-step."""
     micro = MAX_STEPS * ACCUM
     s = a["audit"]
     assert s["trainable"] == s["received_grad"] == s["in_fp32_main_grad"] > 0, s
     assert s["grads_per_param"] == [micro, micro], s  # exactly once per micro-step
     assert s["grad_not_none"] == 0 and s["missing"] == []
     assert a["main_grad_dtypes"] == ["paddle.float32"]
+
+
+def check_evidence(a):
+    micro = MAX_STEPS * ACCUM
+    check_main_grads(a)
     # every decoder layer through our recompute, and recomputed once
     assert a["recompute"]["non_reentrant"] == micro * LAYERS
     assert a["recompute"]["recomputations"] == micro * LAYERS
@@ -132,11 +140,18 @@ def compare_params(a_dir, b_dir):
         np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), rtol=1e-5, atol=1e-5, err_msg=k)
 
 
-def test_unmodified_script_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def plain_single_process(tmp_path_factory):
+    """The plain run (no flags, no paddle_mgrad) in one process: the reference, run once."""
+    rc, out_plain, off = run_script(tmp_path_factory.mktemp("plain"), "off", [], "plain")
+    assert rc == 0, out_plain[-5000:]
+    return off
+
+
+def test_unmodified_script_single_process(tmp_path, plain_single_process):
     rc, out, on = run_script(tmp_path, "on", ALL_FLAGS, "mgrad")
     assert rc == 0, out[-5000:]
-    rc, out_plain, off = run_script(tmp_path, "off", [], "plain")
-    assert rc == 0, out_plain[-5000:]
+    off = plain_single_process
     lines = [
         ln for ln in out.splitlines() if re.match(r"(\[rank \d+\] )?paddle_mgrad: ", ln)
     ]  # not the build log
@@ -146,6 +161,34 @@ def test_unmodified_script_single_process(tmp_path):
     np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
     compare_params(on, off)
     check_evidence(audits(on, 1)[0])
+
+
+@pytest.mark.parametrize("policy", ["gemm", "budget:0.5"])
+def test_unmodified_script_under_a_recompute_policy(tmp_path, plain_single_process, policy):
+    """Every flag users combine (PaddleNLP's own fused linear with
+    ``--enable_linear_fused_grad_add`` included) and ``PADDLE_MGRAD_RECOMPUTE_POLICY`` in the
+    environment, nothing else changed: the same losses and parameters as the plain run, every
+    gradient once in fp32 ``main_grad``, and GEMMs (``gemm``) or sublayers (``budget:``)
+    spared in the recomputations."""
+    env = {"PADDLE_MGRAD_RECOMPUTE_POLICY": policy}
+    rc, out, on = run_script(tmp_path, "on", ALL_FLAGS, "mgrad", extra_env=env)
+    assert rc == 0, out[-5000:]
+    off = plain_single_process
+    report_diffs(f"1 process, {policy} policy", on, off)
+    np.testing.assert_allclose(losses(on), losses(off), rtol=0, atol=1e-5)
+    compare_params(on, off)
+    (a,) = audits(on, 1)
+    check_main_grads(a)
+    blocks = MAX_STEPS * ACCUM * LAYERS
+    g = a["policy"].get(policy, {})
+    assert g.get("calls") == g.get("replays") == blocks, a["policy"]
+    if policy == "gemm":
+        assert g.get("gemms_not_recomputed", 0) > 0, a["policy"]
+    else:
+        (plan,) = a["plans"][policy].values()
+        assert plan["chosen"], plan
+        planned = blocks - 3  # after budget.MEASURED_CALLS
+        assert g.get("sublayers_not_recomputed") == planned * len(plan["chosen"]), (g, plan)
 
 
 def test_unmodified_script_two_ranks(tmp_path):

@@ -97,6 +97,21 @@ def _skip_sp_overlap_on_paddle2():
     assert has_class and has_flag, paddle.__version__
 
 
+def _assert_matches(r, where):
+    """One rank's result matches the one-process reference: losses, its shard of the step-0
+    gradients in fp32 ``main_grad`` (none elsewhere), and every linear weight through our op
+    once per micro-step."""
+    assert r["loss_diff"] <= TOL, (where, r["losses"], r["ref_losses"])
+    assert r["grad_diff"] is not None and r["grad_diff"] <= TOL, where
+    assert r["n_params"] > 0 and r["not_in_main_grad"] == [], where
+    assert r["grad_leaks"] == [] and r["audit"]["grad_not_none"] == 0, where
+    assert r["audit"]["missing"] == [], where
+    assert r["linear_weights"], where
+    assert set(r["linear_weights"]) <= set(r["fused_params"]), where
+    n_fused = len(r["fused_params"])
+    assert r["linear"]["into_main_grad"] == n_fused * MICRO, (where, r["linear"])
+
+
 # the llama decoder layers' recompute mode; pp2_interval runs fleet's recompute_hybrid (a
 # PyLayer without use_reentrant): one mode
 RUNS = [
@@ -137,16 +152,7 @@ def test_two_ranks_match_one_process(config, mode, reference, tmp_path):
     )
     for r in results:
         where = f"{config} {mode} rank {r['rank']}"
-        assert r["loss_diff"] <= TOL, (where, r["losses"], r["ref_losses"])
-        assert r["grad_diff"] is not None and r["grad_diff"] <= TOL, where
-        assert r["n_params"] > 0 and r["not_in_main_grad"] == [], where
-        assert r["grad_leaks"] == [] and r["audit"]["grad_not_none"] == 0, where
-        assert r["audit"]["missing"] == [], where
-        # every linear weight of this rank went through our op, once per micro-step
-        assert r["linear_weights"], where
-        assert set(r["linear_weights"]) <= set(r["fused_params"]), where
-        n_fused = len(r["fused_params"])
-        assert r["linear"]["into_main_grad"] == n_fused * MICRO, (where, r["linear"])
+        _assert_matches(r, where)
         rc = r["recompute"]
         if config == "pp2_interval":
             # recompute_interval=1: every block with parameters and a grad-needing input
@@ -172,3 +178,59 @@ def test_two_ranks_match_one_process(config, mode, reference, tmp_path):
             assert lin["sp_overlap_backward"] == 0, (where, lin)
         if config in ("tp2_sp",) + SP_OVERLAP:
             assert "ColumnSequenceParallelLinear" in r["layer_types"], where
+
+
+ROW_LINEARS = 2  # o_proj, down_proj per decoder layer
+
+
+@pytest.mark.parametrize("config", ["tp2_async", "tp2_sp_overlap"])
+def test_overlap_linears_under_the_gemm_policy(config, reference, tmp_path, monkeypatch):
+    """fleet's overlap linears (``mp_async_allreduce``'s column linear, the sequence-parallel
+    ``sp_async_reduce_scatter`` one) under ``PADDLE_MGRAD_RECOMPUTE_POLICY=gemm``: their
+    outputs are kept (the row linears' too under sequence parallelism, whose reduce-scatter
+    is not in place; without it fleet all-reduces them in place: recomputed), and the run
+    matches the one-process reference."""
+    if config in SP_OVERLAP:
+        _skip_sp_overlap_on_paddle2()
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "gemm")
+    results = launch(tmp_path, config, reference(CASES[config]), "non_reentrant")
+    kept = (COLUMN_LINEARS + (ROW_LINEARS if config in SP_OVERLAP else 0)) * LAYERS * MICRO
+    for r in results:
+        where = f"{config} gemm rank {r['rank']}"
+        _assert_matches(r, where)
+        g = r["policy"]["gemm"]
+        assert g["calls"] == g["replays"] == LAYERS * MICRO, (where, g)
+        assert g["gemms_not_recomputed"] == kept, (where, g)
+        lin = r["linear"]
+        backward = "sp_overlap_backward" if config in SP_OVERLAP else "overlap_backward"
+        assert lin[backward] == COLUMN_LINEARS * LAYERS * MICRO, (where, lin)
+
+
+BUDGET = "budget:0.32"
+
+
+@pytest.mark.parametrize("config", ["tp2", "tp2_sp"])
+def test_budget_plan_is_one_per_tensor_parallel_group(config, reference, tmp_path, monkeypatch):
+    """The ranks of a tensor-parallel group measure different times (here a sublayer slowed
+    down on each: rank 0's input norm, rank 1's MLP), so each alone would keep another
+    sublayer, and one rank's replay would wait in an all-reduce the other skipped.  Both run
+    the first rank's plan, and the run matches the one-process reference."""
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", BUDGET)
+    out = tmp_path / config
+    results = launch_two_ranks(
+        DRIVER,
+        config,
+        str(out),
+        reference(CASES[config]),
+        TIMEOUT,
+        ["--recompute_use_reentrant", "false", "--slow", "0:input_layernorm,1:mlp"],
+    )
+    plans = [r["plans"][BUDGET]["LlamaDecoderLayer"] for r in results]
+    assert plans[0]["chosen"] == plans[1]["chosen"], plans
+    assert plans[0]["chosen"], plans  # (something fits 0.32 of a decoder layer's bytes)
+    for r, plan in zip(results, plans):
+        where = f"{config} {BUDGET} rank {r['rank']}"
+        _assert_matches(r, where)
+        g = r["policy"][BUDGET]
+        assert g["calls"] == g["replays"] == LAYERS * MICRO, (where, g)
+        print(f"\n{where}: chosen {plan['chosen']}, measured {plan['measured']}")

@@ -232,15 +232,16 @@ def test_llm_script_two_ranks_match_one_process(config, mode, reference, tmp_pat
         check_rank(config, kind, mode, a, where)
 
 
-@pytest.mark.parametrize("policy", ["gemm", "save:*Attention"])
+@pytest.mark.parametrize("policy", ["gemm", "save:*Attention", "budget:0.5"])
 @pytest.mark.parametrize("config", ["tp2_async", "pp2_qwen_hybrid"])
 def test_llm_script_policy(config, policy, reference, tmp_path):
     """``PADDLE_MGRAD_RECOMPUTE_POLICY`` set in the environment, nothing else changed:
     ``gemm`` keeps the linears' outputs from the forward (RowParallelLinear's all-reduced in
     place, so recomputed), ``save:*Attention`` each decoder layer's attention whole (its
-    RowParallelLinear all-reduce included); fleet's recompute and recompute_hybrid both under
-    it; loss for loss as the one plain process, and GEMMs or attention calls spared on every
-    rank."""
+    RowParallelLinear all-reduce included), ``budget:0.5`` what its plan chooses (measured,
+    agreed in the tensor-parallel group; under the pipeline, per stage); fleet's recompute and
+    recompute_hybrid both under it; loss for loss as the one plain process, and GEMMs or
+    sublayers spared on every rank."""
     kind, flags, batch = CONFIGS[config]
     model_dir, ref_losses = reference(kind)
     out = run(
@@ -277,6 +278,9 @@ def test_llm_script_policy(config, policy, reference, tmp_path):
         assert g.get("calls") == g.get("replays") == blocks > 0, (where, a["policy"])
         spared = "gemms_not_recomputed" if policy == "gemm" else "sublayers_not_recomputed"
         assert g.get(spared, 0) > 0, (where, a["policy"])
+        if policy.startswith("budget:"):  # a plan for this rank's decoder layers, followed
+            plans = a["plans"][policy]
+            assert plans and all(p["chosen"] for p in plans.values()), (where, plans)
 
 
 def check_rank(config, kind, mode, a, where):

@@ -243,7 +243,29 @@ def run_reference(name, out):
 
 
 # ---------------------------------------------------------------- distributed run
-def run_distributed(name, out, ref_dir, reentrant=False):
+def slow_down(model, rank, slow):
+    """``slow``: ``RANK:SUBLAYER,...`` -- on this rank, every decoder layer's ``SUBLAYER``
+    (``mlp``, ``input_layernorm``, ...) sleeps 20 ms in its forward: ranks then measure
+    different times (a ``budget:`` plan made on each rank alone would differ)."""
+    import time
+
+    for item in filter(None, (slow or "").split(",")):
+        r, sublayer = item.split(":")
+        if int(r) != rank:
+            continue
+        for layer in model.sublayers():
+            if type(layer).__name__.endswith("DecoderLayer"):
+                target = getattr(layer, sublayer)
+                forward = target.forward
+
+                def slowed(*args, _forward=forward, **kwargs):
+                    time.sleep(0.02)
+                    return _forward(*args, **kwargs)
+
+                target.forward = slowed
+
+
+def run_distributed(name, out, ref_dir, reentrant=False, slow=None):
     from paddle.distributed import fleet
     from paddle.distributed.fleet.utils.mix_precision_utils import (
         MixPrecisionLayer,
@@ -323,6 +345,7 @@ def run_distributed(name, out, ref_dir, reentrant=False):
         )
         names = toy_names(model)
 
+    slow_down(model, rank, slow)
     for layer in model.sublayers(include_self=True):  # what Trainer does for --recompute
         if hasattr(layer, "enable_recompute"):
             layer.enable_recompute = True
@@ -429,6 +452,8 @@ def run_distributed(name, out, ref_dir, reentrant=False):
         "linear": snap["linear"],
         "paddle_c_ops": snap["paddle_c_ops"],
         "sp_overlap_class": sp_overlap_class(),
+        "policy": snap["policy"],
+        "plans": snap["plans"],
         "audit": audit.summary(),
     }
     result["audit"].pop("fused_names", None)
@@ -450,12 +475,18 @@ def main():
         choices=["true", "false"],
         help="the llama decoder layers' recompute mode (PaddleNLP's flag)",
     )
+    ap.add_argument(
+        "--slow",
+        help="RANK:SUBLAYER,... -- slow the decoder layers' SUBLAYER down on RANK (slow_down)",
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.config.startswith("ref_"):
         run_reference(a.config, a.out)
     else:
-        run_distributed(a.config, a.out, a.ref, reentrant=a.recompute_use_reentrant == "true")
+        run_distributed(
+            a.config, a.out, a.ref, reentrant=a.recompute_use_reentrant == "true", slow=a.slow
+        )
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (gloo can abort at exit after a good run)
 

@@ -84,6 +84,7 @@ def _instrument(trainer_module):
                     }
                     for name, counters in after["policy"].items()
                 },
+                "plans": after["plans"],
                 "paddle_c_ops": {
                     k: after["paddle_c_ops"][k] - before["paddle_c_ops"][k]
                     for k in after["paddle_c_ops"]
