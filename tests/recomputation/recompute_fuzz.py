@@ -28,6 +28,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from paddle_mgrad.recomputation import budget, policy as policy_mod
 
 D = 4  # feature width: tiny, the point is the graph, not the numbers
 
@@ -50,8 +51,10 @@ OPS = (
 #: output structures of the block (see Net.outputs)
 OUTS = ("tensor", "tuple_none", "dict", "input", "view", "input_only")
 #: the recompute policies drawn: ``save:`` keeps ``lin_a`` (twice under "twice"), or every
-#: Linear of the block by class name (``lin_b`` of the nested block too; ``pre`` runs outside)
-POLICIES = ("full", "gemm", "save:lin_a", "save:Linear")
+#: Linear of the block by class name (``lin_b`` of the nested block too; ``pre`` runs outside);
+#: ``budget:`` measures the first calls of each kind of block (one process: the examples
+#: share the plans), then keeps what its plan chose among the block's direct sublayers
+POLICIES = ("full", "gemm", "save:lin_a", "save:Linear", "budget:0.5", "budget:1")
 PARAMS = (
     "pre.weight",
     "pre.bias",
@@ -127,7 +130,8 @@ def cases(draw, policies=POLICIES, ops_with=()):
         ip_input=draw(st.sampled_from((False,) * 5 + (True,))),
         policy=draw(st.sampled_from(policies)),
     )
-    if case.policy.startswith("save:") and not case.preserve_rng and "dropout" in ops:
+    keeps_sublayers = case.policy.startswith(("save:", "budget:"))
+    if keeps_sublayers and not case.preserve_rng and "dropout" in ops:
         # Without preserve_rng_state a replay draws the dropout masks anew and advances the
         # generator (Paddle's documented behaviour): the oracle expects the values check to
         # see other masks in the recomputed tensors.  A kept sublayer after the dropout holds
@@ -240,7 +244,24 @@ def expects_value_check(case):
 
 def run_case(case, how):
     """Train ``case`` for its micro-steps with recompute ``how``; return a dict of
-    numpy arrays (or None) keyed by what they are: step outputs, input grads, param grads."""
+    numpy arrays (or None) keyed by what they are: step outputs, input grads, param grads.
+
+    Under a ``budget:`` policy each run plans anew, after its first block call (not the
+    first :data:`~paddle_mgrad.recomputation.budget.MEASURED_CALLS`): the micro-steps after
+    it run the plan, so one example covers both the measuring and the planned calls."""
+    if not case.policy.startswith("budget:") or how == "none" or how.startswith("native"):
+        return _run_case(case, how)
+    measured_calls = budget.MEASURED_CALLS
+    policy_mod._NAMED.pop(case.policy, None)
+    budget.MEASURED_CALLS = 1
+    try:
+        return _run_case(case, how)
+    finally:
+        budget.MEASURED_CALLS = measured_calls
+        policy_mod._NAMED.pop(case.policy, None)
+
+
+def _run_case(case, how):
     paddle_mgrad.disable()
     if not how.startswith("native"):
         paddle_mgrad.enable(recompute=True, fused_linear=case.fused)
