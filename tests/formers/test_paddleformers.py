@@ -211,8 +211,8 @@ def test_trainer_under_a_recompute_policy_matches_plain(tmp_path, plain_run, pol
     if policy == "gemm":
         assert g.get("gemms_not_recomputed", 0) > 0, a["policy"]
     else:
-        plans = a["plans"][policy]
-        assert plans and all(p["chosen"] for p in plans.values()), plans
+        plans = a["plans"][policy]  # the decoder layers' (the loss block's may keep nothing)
+        assert plans["LlamaDecoderLayer"]["chosen"], plans
         assert g.get("sublayers_not_recomputed", 0) > 0, (g, plans)
 
 
