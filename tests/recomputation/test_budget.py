@@ -104,6 +104,61 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
     assert report["block_bytes"] == 200 and report["budget_bytes"] == int(fraction * 200)
 
 
+def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
+    """Per candidate 2 s / 10.3 B, 3 s / 20 B, 8 s / 25 B (c, a, b by time per byte): within
+    50 bytes c and a are kept, b no longer fits.  By name, by time, by time times bytes or in
+    ascending order another pair would be kept.  A candidate's time is its minimum over the
+    calls (here the last call is the slow one) and its bytes their mean; the report gives
+    whole bytes."""
+    names = ("a", "b", "c")
+    planner = budget.Planner("budget:test", 0.5)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind(names)
+    for call in range(budget.MEASURED_CALLS):
+        slow = 5.0 if call == budget.MEASURED_CALLS - 1 else 1.0
+        last = call == budget.MEASURED_CALLS - 1
+        planner.measured(
+            key,
+            _Figures(
+                {"a": 2.0 * slow, "b": 3.0 * slow, "c": 8.0 * slow},
+                {"a": 10 + last, "b": 20, "c": 25},
+            ),
+            100 + last,
+        )
+    assert planner.kinds[key].chosen == ("a", "c")
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10}
+    assert type(report["measured"]["a"]["bytes"]) is int
+    assert report["block_bytes"] == 100 and type(report["block_bytes"]) is int
+    assert report["budget_bytes"] == 50
+
+
+def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates(fresh_plans):
+    """Budget 1 of a block whose activations take no byte: a candidate costing one byte in one
+    call (a third of a byte on average) does not fit; a free one does."""
+    names = ("one", "free")
+    planner = budget.Planner("budget:test", 1.0)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind(names)
+    for call in range(budget.MEASURED_CALLS):
+        planner.measured(key, _Figures({"one": 1.0, "free": 1.0}, {"one": int(call == 0)}), 0)
+    assert planner.kinds[key].chosen == ("free",)
+
+
+def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
+    """Once planned, a block whose plan keeps nothing runs as full recompute: no sublayers to
+    wrap (None); one that keeps the MLP gets its MLP."""
+    paddle.seed(11)
+    net = Decoder()
+    planner = budget.Planner("budget:test", 0.5)
+    kind = budget._Kind(tuple(name for name, _ in net.named_children()))
+    planner.kinds[budget._kind(net)] = kind
+    kind.chosen = ()
+    assert planner.sublayers(net, (), {}) is None
+    kind.chosen = ("mlp",)
+    assert planner.sublayers(net, (), {}).layers == (net.mlp,)
+
+
 def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS):
     for _ in range(calls):
         planner.measured(key, _Figures(dict(seconds), dict(costs)), 200)
