@@ -45,6 +45,8 @@ import contextlib
 import fnmatch
 import functools
 import math
+import os
+import sys
 import threading
 import time
 import warnings
@@ -162,9 +164,28 @@ def matching(patterns, function, args, kwargs):
             f"{function_name(function)}: it is recomputed whole (patterns are compared with "
             "the class names and attribute paths of the sublayers of the Layer the block runs)",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=_users_stacklevel(),
         )
     return tuple(found)
+
+
+#: where paddle_mgrad's and Paddle's code lives: a warning about a recompute call belongs to
+#: the first frame outside both (the model's forward, a trainer, a test), however many of our
+#: and Paddle's frames (its ``recompute``, ``recompute_hybrid``, fleet's pipeline) lie between
+_NOT_USERS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (__file__.rsplit(os.sep, 2)[0] + os.sep + "__init__.py", paddle.__file__)
+)
+
+
+def _users_stacklevel():
+    """The ``stacklevel`` that makes a warning issued by this function's caller name the
+    first frame outside paddle_mgrad and Paddle."""
+    # (sys._getframe(n) here is the frame warnings.warn(stacklevel=n) names from the caller)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # -- one block call ---------------------------------------------------------------

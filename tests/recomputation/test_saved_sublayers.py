@@ -7,8 +7,10 @@ or on its input (each kind of :data:`in_place_ops.IN_PLACE`), in both modes, ove
 micro-steps (``main_grad`` None, then accumulated) -- and the recomputation must not run a kept
 sublayer."""
 
+import collections
 import functools
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -672,3 +674,252 @@ def test_a_sublayer_that_changes_its_input_is_replayed(mode, op):
         np.testing.assert_array_equal(got, want)
     counters = stats.snapshot()["policy"]
     assert counters == {}  # (the reference run)
+
+
+# -- what a kept sublayer takes and returns, how the block's Layer is found, nesting ---------
+
+
+class Part(paddle.nn.Layer):
+    """A sublayer called with positional and keyword arguments, returning a structure: a
+    tuple holding a tensor, None, a list and a dict of tensors, and a named tuple."""
+
+    Pair = collections.namedtuple("Pair", ["left", "right"])
+
+    def __init__(self):
+        super().__init__()
+        self.proj = paddle.nn.Linear(D, D)
+
+    def forward(self, h, gate, scale=1.0, *, shift=None):
+        y = paddle.tanh(self.proj(h)) * gate * scale + shift
+        return (y, None, [y * 2.0], {"z": paddle.nn.functional.silu(y)}), self.Pair(y * 3.0, h)
+
+
+class Structured(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.part = Part()
+        self.out = paddle.nn.Linear(D, D)
+
+    def forward(self, h):
+        (y, none, (y2,), d), pair = self.part(h, paddle.sigmoid(h), 0.5, shift=h * 0.25)
+        assert none is None
+        return self.out(paddle.tanh(y + y2 + d["z"] + pair.left + pair.right))
+
+
+@pytest.mark.parametrize("policy", ["save:part", "budget:1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_kept_sublayer_with_keyword_arguments_and_structured_outputs(mode, policy, monkeypatch):
+    """The kept call gets its keyword arguments; the replay hands back the same structure
+    (tuple, list, dict, named tuple, None in it) with the forward's values."""
+    if policy.startswith("budget:"):
+        monkeypatch.setattr(policy_mod, "_NAMED", {})
+        monkeypatch.setattr(stats, "plans", {})
+    stats.reset()
+    ref = policy_runs.train(Structured, "none", None, 4, rows=ROWS, d=D)
+    got = policy_runs.train(Structured, mode, policy, 4, rows=ROWS, d=D)
+    assert_identical(got, ref)
+    counters = stats.snapshot()["policy"][policy]
+    assert counters["sublayers_not_recomputed"] > 0, counters
+
+
+def _decoder_run(block, policy="save:mlp", mode="non_reentrant"):
+    """One step of a seeded :class:`Decoder` through ``block(net, rc)`` under recompute
+    ``mode`` and ``policy`` and without recompute, bit for bit the same; ``rc(function, h,
+    policy)`` is the recompute of a block nested in it (without recompute: a plain call).
+    Returns the counters of every policy and the wrappers left on the recomputed model."""
+    x = paddle.randn([ROWS, D])
+    results = []
+    stats.reset()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        for how in (mode, "none"):
+            paddle.seed(11)
+            net = Decoder()
+            h = paddle.to_tensor(x.numpy())
+            h.stop_gradient = False
+            run = block(net, _inner_recompute if how != "none" else _no_recompute)
+            if how == "none":
+                out = run(h * 1.0)
+            else:
+                out = paddle_mgrad.recompute(
+                    run, h * 1.0, use_reentrant=how == "reentrant", policy=policy
+                )
+            out.sum().backward()
+            grads = [p.grad.numpy() for p in net.parameters() if p.grad is not None]
+            results.append((out.numpy(), h.grad.numpy(), grads))
+            if how != "none":
+                counters = stats.snapshot()["policy"]
+                left = no_wrapper_left(net)
+    finally:
+        paddle_mgrad.disable()
+    (o, dh, g), (o_ref, dh_ref, g_ref) = results
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(dh, dh_ref)
+    assert len(g) == len(g_ref)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_array_equal(a, b)
+    return counters, left
+
+
+def _inner_recompute(function, h, policy):
+    return paddle_mgrad.recompute(function, h, use_reentrant=False, policy=policy)
+
+
+def _no_recompute(function, h, policy):
+    return function(h)
+
+
+def _nest(levels, net):
+    """``net`` reached from the block through ``levels`` containers, innermost first: closures,
+    partials or lists."""
+    reach = net
+    for kind in levels:
+        if kind == "closure":
+            reach = _closure_over(reach)
+        elif kind == "partial":
+            reach = functools.partial(_call, reach)
+        else:
+            reach = [reach]
+    return reach
+
+
+def _closure_over(inner):
+    def run(h):
+        return _call(inner, h)
+
+    return run
+
+
+def _call(f, h):
+    return f[0](h) if isinstance(f, list) else f(h)
+
+
+@pytest.mark.parametrize("kind", ["closure", "partial", "list"])
+def test_the_blocks_layer_is_searched_two_containers_deep(kind):
+    """The Layer is found one or two containers (closure, partial, list) away from the block
+    function, not three: a block whose model lies deeper is recomputed whole (with a
+    warning), as documented."""
+    paddle.seed(11)
+    net = Decoder()
+    for depth in (1, 2):
+        levels = [kind] * depth
+        if kind == "list":  # (a list is reached through the closure over it)
+            levels = ["list"] * (depth - 1) + ["closure"]
+        assert saved_sublayers.block_layers(_nest(levels, net), (), {}) == [net], levels
+    levels = [kind] * 3 if kind != "list" else ["list", "list", "closure"]
+    assert saved_sublayers.block_layers(_nest(levels, net), (), {}) == [], levels
+    # two closures around a partial around the Layer: three away
+    deep = _nest(["partial", "closure", "closure"], net)
+    assert saved_sublayers.block_layers(deep, (), {}) == []
+
+
+def test_a_sublayer_found_from_two_roots_or_by_two_patterns_is_kept_once():
+    paddle.seed(11)
+    net = Decoder()
+    block = custom_forward(net)
+    assert saved_sublayers.matching(("mlp", "*MLP"), block, (net,), {}) == (net.mlp,)
+    counters, left = _decoder_run(lambda n, rc: custom_forward(n), "save:mlp,*MLP")
+    counters = counters["save:mlp,*MLP"]
+    assert (counters["sublayers_kept"], counters["sublayers_not_recomputed"]) == (1, 1)
+    assert left == []
+
+
+def test_the_warning_for_a_pattern_that_matches_nothing_names_the_users_call(monkeypatch):
+    """The warning points at the code that called recompute, through ours or through Paddle's
+    own ``recompute`` (not at paddle_mgrad's or Paddle's frames)."""
+    message = (
+        r"recompute policy save:nothing,nowhere matches no sublayer of the block "
+        r"custom_forward.<locals>.run: it is "
+        r"recomputed whole \(patterns are compared with the class names and attribute paths "
+        r"of the sublayers of the Layer the block runs\)"
+    )
+    paddle.seed(11)
+    net = Decoder()
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        h = paddle.randn([ROWS, D])
+        h.stop_gradient = False
+        with pytest.warns(RuntimeWarning, match=message) as ours:
+            paddle_mgrad.recompute(
+                custom_forward(net), h, use_reentrant=False, policy="save:nothing,nowhere"
+            )
+        monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "save:nothing,nowhere")
+        with pytest.warns(RuntimeWarning, match=message) as paddles:
+            paddles_recompute(custom_forward(net), h, use_reentrant=False)
+    finally:
+        paddle_mgrad.disable()
+    assert [w.filename for w in ours] == [w.filename for w in paddles] == [__file__]
+
+
+def test_an_inner_block_keeping_more_sublayers_than_the_outer_one():
+    """The outer block keeps the attention, the inner one (the decoder layer) the attention and
+    the MLP: the attention's wrapper is already installed when the inner block installs its
+    own, and still needed when the inner block ends; the MLP's is installed and removed by the
+    inner block alone."""
+
+    def outer(net, rc):
+        def run(h):
+            h = net.self_attn(h)
+            return rc(custom_forward(net), h, "save:self_attn,mlp")
+
+        return run
+
+    counters, left = _decoder_run(outer, "save:self_attn")
+    inner = counters["save:self_attn,mlp"]
+    assert (inner["sublayers_kept"], inner["sublayers_not_recomputed"]) == (2, 2), inner
+    assert counters["save:self_attn"]["sublayers_kept"] == 1, counters
+    assert left == []
+
+
+def test_a_full_block_inside_a_keeping_one_is_not_the_outer_blocks():
+    """A full-recompute block inside a ``save:mlp`` block calls the MLP (with positional and
+    keyword arguments): that call is the inner block's, recomputed with it, not a kept call
+    of the outer block."""
+
+    def outer(net, rc):
+        def run(h):
+            h = rc(lambda t: net.mlp(h=t), h, "full")
+            return net.mlp(paddle.tanh(h))
+
+        return run
+
+    counters, left = _decoder_run(outer, "save:mlp")
+    kept = counters["save:mlp"]["sublayers_kept"]
+    assert kept == 1, counters  # the outer block's own call only
+    assert left == []
+
+
+def test_a_sublayer_called_twice_is_timed_and_counted_for_both_calls(monkeypatch):
+    """A measured candidate called twice in the block: its time is the sum of its calls (here
+    each sleeps 10 ms), its bytes those of both calls."""
+
+    class Slow(paddle.nn.Layer):
+        def forward(self, h):
+            time.sleep(0.01)
+            return paddle.tanh(h)
+
+    class Twice(paddle.nn.Layer):
+        def __init__(self, calls):
+            super().__init__()
+            self.slow = Slow()
+            self.out = paddle.nn.Linear(D, D)
+            self.calls = calls
+
+        def forward(self, h):
+            for _ in range(self.calls):
+                h = self.slow(h) * 1.5
+            return self.out(h)
+
+    monkeypatch.setattr(policy_mod, "_NAMED", {})
+    monkeypatch.setattr(stats, "plans", {})
+    measured = {}
+    for calls in (1, 2):
+        stats.plans.clear()
+        policy_mod._NAMED.clear()
+        make = functools.partial(Twice, calls)
+        policy_runs.train(make, "non_reentrant", "budget:1", 3, rows=ROWS, d=D)
+        (plan,) = stats.snapshot()["plans"]["budget:1"].values()
+        measured[calls] = plan["measured"]["slow"]
+    assert 0.01 <= measured[1]["seconds"] < 0.5, measured
+    assert 0.02 <= measured[2]["seconds"] < 0.5, measured
+    assert measured[2]["bytes"] == 2 * measured[1]["bytes"] > 0, measured
