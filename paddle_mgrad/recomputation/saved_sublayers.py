@@ -164,7 +164,7 @@ def matching(patterns, function, args, kwargs):
             f"{function_name(function)}: it is recomputed whole (patterns are compared with "
             "the class names and attribute paths of the sublayers of the Layer the block runs)",
             RuntimeWarning,
-            stacklevel=_users_stacklevel(),
+            stacklevel=_users_stacklevel(sys._getframe()),
         )
     return tuple(found)
 
@@ -178,11 +178,10 @@ _NOT_USERS = tuple(
 )
 
 
-def _users_stacklevel():
-    """The ``stacklevel`` that makes a warning issued by this function's caller name the
-    first frame outside paddle_mgrad and Paddle."""
-    # (sys._getframe(n) here is the frame warnings.warn(stacklevel=n) names from the caller)
-    frame, level = sys._getframe(1), 1
+def _users_stacklevel(frame):
+    """The ``stacklevel`` that makes a warning issued in ``frame`` name the first frame
+    outside paddle_mgrad and Paddle (``stacklevel=1`` names ``frame`` itself)."""
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
         frame, level = frame.f_back, level + 1
     return level
