@@ -9,6 +9,7 @@ sublayer."""
 
 import collections
 import functools
+import os
 import threading
 import time
 import warnings
@@ -848,7 +849,12 @@ def test_the_warning_for_a_pattern_that_matches_nothing_names_the_users_call(mon
             paddles_recompute(custom_forward(net), h, use_reentrant=False)
     finally:
         paddle_mgrad.disable()
-    assert [w.filename for w in ours] == [w.filename for w in paddles] == [__file__]
+    where = [w.filename for w in [*ours, *paddles]]
+    if "MUTANT_UNDER_TEST" in os.environ:  # (under mutmut its trampolines' frames lie between)
+        outside = (os.path.dirname(paddle_mgrad.__file__), os.path.dirname(paddle.__file__))
+        assert not any(f.startswith(outside) for f in where), where
+    else:
+        assert where == [__file__, __file__]
 
 
 def test_an_inner_block_keeping_more_sublayers_than_the_outer_one():
