@@ -688,17 +688,17 @@ class Inner(paddle.nn.Layer):
 class Part(paddle.nn.Layer):
     """A sublayer called with positional and keyword arguments, returning a structure: a
     tuple holding a tensor, None, a list and a dict of tensors, a named tuple, and a tensor
-    that needs no gradient (a mask); it calls a sublayer of its own with a keyword."""
+    that needs no gradient (a mask); it calls ``inner``, a sublayer of the block handed to it
+    (as models share a rotary embedding), with a keyword."""
 
     Pair = collections.namedtuple("Pair", ["left", "right"])
 
     def __init__(self):
         super().__init__()
         self.proj = paddle.nn.Linear(D, D)
-        self.inner = Inner()
 
-    def forward(self, h, gate, scale=1.0, *, shift=None):
-        y = self.inner(paddle.tanh(self.proj(h)), factor=0.5) * gate * scale + shift
+    def forward(self, h, gate, scale=1.0, *, shift=None, inner=None):
+        y = inner(paddle.tanh(self.proj(h)), factor=0.5) * gate * scale + shift
         mask = (h > 0).astype("float32")
         pair = self.Pair(y * 3.0, h)
         return (y, None, [y * 2.0], {"z": paddle.nn.functional.silu(y)}), pair, mask
@@ -708,10 +708,12 @@ class Structured(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
         self.part = Part()
+        self.inner = Inner()
         self.out = paddle.nn.Linear(D, D)
 
     def forward(self, h):
-        (y, none, (y2,), d), pair, mask = self.part(h, paddle.sigmoid(h), 0.5, shift=h * 0.25)
+        gate = paddle.sigmoid(h)
+        (y, none, (y2,), d), pair, mask = self.part(h, gate, 0.5, shift=h * 0.25, inner=self.inner)
         assert none is None and mask.stop_gradient
         # (tanh of the mask: no node, nothing saved -- in the replay as in the forward)
         y = y + y2 + d["z"] + pair.left + pair.right * paddle.tanh(mask)
