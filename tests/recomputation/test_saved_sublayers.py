@@ -712,7 +712,7 @@ class Structured(paddle.nn.Layer):
         self.out = paddle.nn.Linear(D, D)
 
     def forward(self, h):
-        gate = paddle.sigmoid(h)
+        gate = paddle.nn.functional.sigmoid(h)
         (y, none, (y2,), d), pair, mask = self.part(h, gate, 0.5, shift=h * 0.25, inner=self.inner)
         assert none is None and mask.stop_gradient
         # (tanh of the mask: no node, nothing saved -- in the replay as in the forward)
