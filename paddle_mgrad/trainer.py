@@ -15,8 +15,9 @@ Flags (spelled as PaddleNLP's ``llm/`` scripts spell them):
 * ``--mgrad_fix_recompute`` (default: on whenever ``--recompute`` is on):
   Paddle's ``recompute`` -- also the name PaddleNLP's modeling files imported at
   import time -- becomes :func:`paddle_mgrad.recompute`.
-* ``--recompute_policy full|gemm|save:<pattern>``: what every recompute call keeps from the forward
-  instead of recomputing it (:mod:`paddle_mgrad.recomputation.policy`); sets
+* ``--recompute_policy full|gemm|save:<pattern>|budget:<fraction>``: what every recompute
+  call keeps from the forward instead of recomputing it
+  (:mod:`paddle_mgrad.recomputation.policy`); sets
   ``PADDLE_MGRAD_RECOMPUTE_POLICY`` for this process and the ones it starts.
 
 When another arguments dataclass of the parser already defines
@@ -72,7 +73,9 @@ class MgradArguments:
             "every recompute call (Paddle's own included): full (keep nothing), "
             "gemm (keep every linear's output: no GEMM is recomputed) or "
             "save:<pattern>[,<pattern>...] (sublayers whose class name or "
-            "attribute path matches, e.g. save:self_attn, are not recomputed). "
+            "attribute path matches, e.g. save:self_attn, are not recomputed) or "
+            "budget:<fraction> (the sublayers with the most replay time per byte, measured, "
+            "within that fraction of the bytes no recompute keeps). "
             "Default: $PADDLE_MGRAD_RECOMPUTE_POLICY, else full."
         },
     )
