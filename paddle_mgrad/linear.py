@@ -525,9 +525,10 @@ def fused_linear(x, weight, bias=None, name=None):
     """Drop-in for ``paddle.nn.functional.linear`` with fused in-place weight gradients."""
     facts = route(x, weight, bias)
     if facts is None:
-        kept = _recomputing_state.kept
-        if kept is not None and not _global_var._dygraph_tracer_._has_grad:
-            return _linear_without_grad_under_policy(kept, x, weight, bias, name)
+        if _recomputing_state.kept is not None and not _global_var._dygraph_tracer_._has_grad:
+            # with grad off (a user's PyLayer forward, a no_grad region) it saves nothing for
+            # backward, but its output is still a GEMM output the policy may keep
+            return apply_under_policy(original("linear"), x, weight, bias, name, saves=_nothing)
         return original("linear")(x, weight, bias, name)
     pack = _recomputing_state.pack
     if pack is not None:
@@ -537,22 +538,6 @@ def fused_linear(x, weight, bias=None, name=None):
     if kept is not None:  # a recompute policy that keeps GEMM outputs
         kept.add(x, weight, y)
     return y
-
-
-def _linear_without_grad_under_policy(kept, x, weight, bias, name):
-    """Paddle's linear with grad off (inside a user's ``PyLayer`` forward, a ``no_grad``
-    region) in a block whose recompute policy keeps GEMM outputs.  It saves nothing for
-    backward, so the block's forward and its recomputation run it alike: the forward offers
-    its output to the policy, the recomputation takes it back instead of multiplying again
-    (the ``PyLayer`` around it saves what it saves, from the same values)."""
-    if _recomputing_state.pack is None:
-        y = original("linear")(x, weight, bias, name)
-        kept.add(x, weight, y)
-        return y
-    found = kept.take(x, weight)
-    if found is None:
-        return original("linear")(x, weight, bias, name)
-    return found[0].detach()
 
 
 def _recomputed_linear(x, weight, bias, pack):
@@ -588,13 +573,19 @@ def _recomputed_linear(x, weight, bias, pack):
     return _recomputing.replayed_output(y, False)
 
 
+def _nothing(x):
+    """``saves=`` of a linear that saves nothing for backward (run with grad off)."""
+    return None
+
+
 def apply_under_policy(apply, x, weight, *args, saves=None):
-    """``apply(x, weight, *args)``: the ``apply`` of a fused linear ``PyLayer`` that saves one
-    tensor (fleet's overlap linears), under the recompute policy of the block running it.  In
-    the block's forward the output is offered to the policy (``KeptOutputs.add``); in its
-    recomputation a kept output is handed back instead of multiplying again, and the tensor the
-    ``PyLayer`` would save goes to the pack hook: ``x``, or ``saves(x)`` (the sequence-parallel
-    linear saves its all-gathered input).  Outside a policy: ``apply`` itself."""
+    """``apply(x, weight, *args)``: a linear that saves at most one tensor for backward
+    (fleet's overlap linears' ``PyLayer.apply``, Paddle's linear with grad off), under the
+    recompute policy of the block running it.  In the block's forward the output is offered to
+    the policy (``KeptOutputs.add``); in its recomputation a kept output is handed back instead
+    of multiplying again, and the tensor the linear would save goes to the pack hook: ``x``, or
+    ``saves(x)`` (the sequence-parallel linear saves its all-gathered input; None: nothing).
+    Outside a policy: ``apply`` itself."""
     kept = _recomputing_state.kept
     if kept is None:
         return apply(x, weight, *args)
@@ -606,7 +597,10 @@ def apply_under_policy(apply, x, weight, *args, saves=None):
     found = kept.take(x, weight)
     if found is None:
         return apply(x, weight, *args)
-    pack(x if saves is None else saves(x))
+    saved = x if saves is None else saves(x)
+    if saved is not None:
+        pack(saved)
+    # (an output that needed no gradient in the forward comes back as the kept alias itself)
     return _recomputing.replayed_output(found[0].detach(), found[1])
 
 

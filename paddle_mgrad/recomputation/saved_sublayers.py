@@ -172,9 +172,9 @@ def matching(patterns, function, args, kwargs):
 #: where paddle_mgrad's and Paddle's code lives: a warning about a recompute call belongs to
 #: the first frame outside both (the model's forward, a trainer, a test), however many of our
 #: and Paddle's frames (its ``recompute``, ``recompute_hybrid``, fleet's pipeline) lie between
-_NOT_USERS = tuple(
-    os.path.dirname(os.path.abspath(f)) + os.sep
-    for f in (__file__.rsplit(os.sep, 2)[0] + os.sep + "__init__.py", paddle.__file__)
+_NOT_USERS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep,
 )
 
 
