@@ -57,8 +57,20 @@ def mlp_and_input():
 def train(how, policy=None, op=None, where="gate", bias=True, micro=2, after=None):
     """``micro`` micro-steps of :class:`MLP` (``pre`` outside the block) with recompute ``how``
     ("none" or a mode) under ``policy`` (:func:`policy_runs.train`)."""
-    return policy_runs.train(
+    return train_net(
         lambda: MLP(None if op is None else IN_PLACE[op], where, bias),
+        how,
+        policy,
+        micro,
+        after,
+    )
+
+
+def train_net(make_net, how, policy=None, micro=2, after=None):
+    """:func:`train` of the :class:`MLP`-like model ``make_net()`` (``block`` recomputed,
+    ``pre`` outside it)."""
+    return policy_runs.train(
+        make_net,
         how,
         policy,
         micro,
@@ -498,23 +510,12 @@ def test_gemm_policy_keeps_the_linears_inside_a_users_pylayer(mode, op, kept):
     """A linear inside a user's ``PyLayer`` runs with grad off: it is still a GEMM of the block,
     kept by ``gemm`` (and recomputed where its output was changed in place)."""
 
-    def run(how, policy=None):
-        return policy_runs.train(
-            lambda: UserMLP(None if op is None else IN_PLACE[op]),
-            how,
-            policy,
-            2,
-            block=lambda net: net.block,
-            block_input=lambda net, x: net.pre(x),
-            seed=7,
-            data_seed=1,
-            rows=ROWS,
-            d=D,
-        )
+    def make():
+        return UserMLP(None if op is None else IN_PLACE[op])
 
-    ref = run("none")
+    ref = train_net(make, "none")
     stats.reset()
-    got = run(mode, "gemm")
+    got = train_net(make, mode, "gemm")
     assert_identical(got, ref)
     counters = stats.snapshot()["policy"]["gemm"]
     assert counters["kept_outputs"] == 2 * kept
@@ -534,22 +535,8 @@ def test_gemm_policy_recomputes_a_frozen_linear(mode):
     """A frozen linear with grad on is Paddle's, saving tensors for backward: it is
     recomputed (the recomputation must save what the forward saved), the others kept."""
 
-    def run(how, policy=None):
-        return policy_runs.train(
-            FrozenGateMLP,
-            how,
-            policy,
-            2,
-            block=lambda net: net.block,
-            block_input=lambda net, x: net.pre(x),
-            seed=7,
-            data_seed=1,
-            rows=ROWS,
-            d=D,
-        )
-
-    ref = run("none")
+    ref = train_net(FrozenGateMLP, "none")
     stats.reset()
-    got = run(mode, "gemm")
+    got = train_net(FrozenGateMLP, mode, "gemm")
     assert_identical(got, ref)
     assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 2 * 2
