@@ -31,6 +31,49 @@ def trainer_args(max_steps, accum, learning_rate="1e-3", **more):
     return [part for name, value in args.items() for part in (f"--{name}", str(value))]
 
 
+#: ports a launch may give its ranks and rendezvous, when the kernel's ephemeral range cannot be
+#: read: Linux's default ephemeral range is 32768-60999
+_EPHEMERAL_DEFAULT = (32768, 60999)
+#: how many ports each pytest-xdist worker's launches draw from
+_PORTS_PER_WORKER = 1000
+
+
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def launch_ports(env, worker=None):
+    """Give ``paddle.distributed.launch`` (``env``) a ``PORT_RANGE`` of its own: outside the
+    kernel's ephemeral port range and disjoint per pytest-xdist worker (``worker``, default
+    ``PYTEST_XDIST_WORKER``: ``gw0``, ``gw1``, ...).  Returns ``env``.
+
+    The launcher (Paddle 2.6.2 and 3.3.1, ``launch/context/node.py``) picks each rank's endpoint
+    and the rendezvous (TCPStore) port by probing a port inside ``PORT_RANGE`` (default
+    35100-64000), closing it and handing it on.  Two launches at once (``pytest -n 2``) can pick
+    the same port, and the kernel can hand a port of that range to another process's outgoing
+    or gloo connection in between: CI lost 2-rank runs that way on both versions (a refused gloo
+    rendezvous; Paddle 3.3.1's TCPStore server aborting in libuv when its port was taken).  Every
+    launch of one worker runs after the last one ended, so a range per worker outside the
+    ephemeral range leaves no other launch and no kernel-chosen port to race with.  With no gap
+    of :data:`_PORTS_PER_WORKER` ports per worker beside the ephemeral range, ``env`` is left
+    as is (the launcher's default, and :func:`launch`'s one retry)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") if worker is None else worker
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    low, high = _ephemeral_ports()
+    for start, end in ((max(low - 16 * _PORTS_PER_WORKER, 1024), low - 1), (high + 1, 65535)):
+        slots = (end - start + 1) // _PORTS_PER_WORKER
+        if slots > 0:
+            first = start + (index % slots) * _PORTS_PER_WORKER
+            env["PORT_RANGE"] = f"{first}:{first + _PORTS_PER_WORKER - 1}"
+            return env
+    return env
+
+
 def script_env():
     """This environment without paddle_mgrad's, the test evidence's or a launcher's variables;
     one thread per rank; faulthandler and glibc's fatal messages on stderr (a rank sometimes
@@ -43,7 +86,7 @@ def script_env():
     env.update(
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", LIBC_FATAL_STDERR_="1"
     )
-    return env
+    return launch_ports(env)
 
 
 def with_evidence(env, audit_dir, evidence_dir):
@@ -69,19 +112,26 @@ def switch_on(env, tmp_path):
 ABORT = "Exit code -6"
 #: what PaddleNLP's/PaddleFormers' Trainer logs when train() returned
 COMPLETED = "Training completed."
-#: what a rank's log shows when its gloo rendezvous was refused while the process group was
-#: created (Paddle 2.6.2 and 3.3.1: ``ProcessGroupGloo.create`` ... ``Connection refused``)
-GLOO_REFUSED = ("ProcessGroupGloo", "Connection refused")
+#: what a rank's log shows when the rendezvous failed while the process group was created, each
+#: a pair of strings found together: a refused gloo connection (Paddle 2.6.2 and 3.3.1:
+#: ``ProcessGroupGloo.create`` ... ``Connection refused``); Paddle 3.3.1's TCPStore server
+#: aborting in libuv when it could not take its port (``create libuv server at port`` then
+#: libuv's assertion in ``uv__finish_close``)
+RENDEZVOUS_FAILURES = (
+    ("ProcessGroupGloo", "Connection refused"),
+    ("create libuv server at port", "uv__finish_close"),
+)
 
 
-def gloo_refused(texts) -> bool:
-    """One of the rank logs ``texts`` shows a refused gloo rendezvous (:data:`GLOO_REFUSED`).
+def rendezvous_failed(texts) -> bool:
+    """One of the rank logs ``texts`` shows a failed rendezvous (:data:`RENDEZVOUS_FAILURES`).
 
-    Two launches running at once (``pytest -n 2``) can pick the same free port for their
-    rendezvous: CI 2026-12-02 lost a 2-rank run that way on Paddle 2.6.2, in ``fleet.init``,
-    before any paddle_mgrad code ran.  Such a run is repeated once (:func:`launch`,
+    A port taken between the launcher's probe and the rank's bind (:func:`launch_ports`) fails
+    a run in ``fleet.init``, before any paddle_mgrad code ran: CI 2026-12-02 lost a 2-rank run
+    to a refused gloo rendezvous on Paddle 2.6.2, CI 2026-12-04 one to the TCPStore server's
+    abort on 3.3.1.  Such a run is repeated once (:func:`launch`,
     ``fleet/launch/launching.run``)."""
-    return any(all(s in t for s in GLOO_REFUSED) for t in texts)
+    return any(all(s in t for s in failure) for t in texts for failure in RENDEZVOUS_FAILURES)
 
 
 def launch(argv, out_dir, nproc, env, timeout, cwd):
@@ -96,7 +146,7 @@ def launch(argv, out_dir, nproc, env, timeout, cwd):
       2026-12-01: the plain run; locally 2 of 21 runs of test_unmodified_script_two_ranks).
       Repeated when the launcher reports that abort and every rank's log says training
       completed (the aborted run is kept beside it as ``<out_dir>.aborted``);
-    * a refused gloo rendezvous before training (:func:`gloo_refused`; kept as
+    * a failed rendezvous before training (:func:`rendezvous_failed`; kept as
       ``<out_dir>.refused``).
 
     The repeat is named in the output; any other failure is returned as is."""
@@ -128,11 +178,11 @@ def _paddles_failure(out_dir, out, nproc):
             "lost a rank to SIGABRT at exit after training completed on every "
             "rank (Paddle's teardown)",
         )
-    if any(gloo_refused([t]) and COMPLETED not in t for t in texts):  # refused before training
+    if any(rendezvous_failed([t]) and COMPLETED not in t for t in texts):  # before training
         return (
             "refused",
-            "had a rank's gloo rendezvous refused before training (a port "
-            "race between concurrent launches)",
+            "failed a rank's rendezvous before training (a port taken between the "
+            "launcher's choice and the rank's bind)",
         )
     return None
 

@@ -10,6 +10,8 @@ import zlib  # noqa: F401  (before paddle)
 
 import cpu_nlp_standins
 
+from script_runs import launch_ports  # tests/
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "llama", "run_pretrain.py")
 CONFIG = os.path.join(ROOT, "examples", "llama", "pretrain_cpu.json")
@@ -20,7 +22,7 @@ def run_example(out_dir, *flags, nproc=1, timeout=900, cpu_sync_standin=None):
     """Run the llama example (optionally under paddle.distributed.launch); returns
     (returncode, stdout+stderr, summary dict or None).  ``cpu_sync_standin`` (default: when this
     PaddleNLP needs it, 2.7.x): see cpu_nlp_standins.py."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = launch_ports(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     if cpu_sync_standin is None:
         cpu_sync_standin = cpu_nlp_standins.needs_cpu_sync_standin()
     if cpu_sync_standin:

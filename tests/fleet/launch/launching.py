@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from script_runs import gloo_refused
+from script_runs import launch_ports, rendezvous_failed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def env():
     # paddle_mgrad as the test process sees it (installed, or PYTHONPATH=<worktree>)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return launch_ports(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
 
 
 def logs(out):
@@ -35,30 +35,32 @@ def run(cmd, out, what, timeout):
     """Run ``cmd`` in its own process group; on timeout kill that group (the launcher's rank
     processes too) and fail with the rank logs; fail likewise on a non-zero exit.
 
-    One retry, for one failure only: a rank whose gloo rendezvous was refused while the process
-    group was created, before it wrote a result (``script_runs.gloo_refused``: a port
-    race between concurrent launches).  The refused run's logs are kept in ``out/log.refused``."""
+    One retry, for one failure only: a rank whose rendezvous failed while the process group was
+    created, before it wrote a result (``script_runs.rendezvous_failed``: a port taken between
+    the launcher's choice and the rank's bind).  The failed run's logs are kept in
+    ``out/log.refused``."""
     code, output = _run_once(cmd, out, what, timeout)
-    if code != 0 and _gloo_refused_at_start(out):
+    if code != 0 and _rendezvous_failed_at_start(out):
         kept = os.path.join(out, "log.refused")
         shutil.rmtree(kept, ignore_errors=True)
         os.rename(os.path.join(out, "log"), kept)
         print(
-            f"\n--- NOTE: {what}: a rank's gloo rendezvous was refused before training (a "
-            f"port race between concurrent launches); repeated once, first logs in {kept}"
+            f"\n--- NOTE: {what}: a rank's rendezvous failed before training (a port taken "
+            f"between the launcher's choice and the rank's bind); repeated once, first logs in "
+            f"{kept}"
         )
         code, output = _run_once(cmd, out, what, timeout)
     if code != 0:
         pytest.fail(f"{what} exited {code}{logs(out)}\n--- launcher (last 3000)\n{output[-3000:]}")
 
 
-def _gloo_refused_at_start(out):
-    """A rank's log shows a refused gloo rendezvous, and that rank wrote no result."""
+def _rendezvous_failed_at_start(out):
+    """A rank's log shows a failed rendezvous, and that rank wrote no result."""
     for r in (0, 1):
         log = os.path.join(out, "log", f"workerlog.{r}")
         if os.path.isfile(log) and not os.path.exists(os.path.join(out, f"rank{r}.json")):
             with open(log, errors="replace") as f:
-                if gloo_refused([f.read()]):
+                if rendezvous_failed([f.read()]):
                     return True
     return False
 

@@ -1,12 +1,15 @@
-"""launching.run's one retry: a 2-rank launch whose gloo rendezvous was refused before any rank
-wrote a result (a port race between concurrent launches) is repeated once; every other failure
-fails the test with the rank logs.  Fake drivers, no paddle_mgrad and no PaddleNLP needed."""
+"""launching.run's one retry: a 2-rank launch whose rendezvous failed before any rank wrote a
+result (a port taken between the launcher's choice and the rank's bind) is repeated once; every
+other failure fails the test with the rank logs.  Fake drivers, no paddle_mgrad and no PaddleNLP
+needed."""
 
 import os
 import sys
 
 import pytest
 from launching import run
+
+from script_runs import RENDEZVOUS_FAILURES
 
 DRIVER = r"""
 import os, sys
@@ -15,9 +18,13 @@ mode, out = sys.argv[1], sys.argv[2]
 marker = os.path.join(out, "refused-once")
 if rank == "0" and (mode == "always" or (mode == "once" and not os.path.exists(marker))):
     open(marker, "w").close()
-    print("Traceback (most recent call last):\n    pg = core.ProcessGroupGloo.create(store, rank,"
-          " world_size, place, gid)\nOSError: pair.cc:784 connect [127.0.0.1]:52660: "
-          "Connection refused", flush=True)
+    print([
+        "Traceback (most recent call last):\n    pg = core.ProcessGroupGloo.create(store, rank,"
+        " world_size, place, gid)\nOSError: pair.cc:784 connect [127.0.0.1]:52660: "
+        "Connection refused",
+        "tcp_store.cc:336] create libuv server at port: 58764\npython: core.c:314: "
+        "uv__finish_close: Assertion `handle->flags & UV_HANDLE_CLOSING' failed.",
+    ][int(os.environ.get("FAKE_RENDEZVOUS_FAILURE", "0"))], flush=True)
     sys.exit(1)
 if rank == "0" and mode == "crash":
     raise RuntimeError("a real failure")
@@ -47,11 +54,14 @@ def _run(tmp_path, mode):
     return out
 
 
-def test_a_refused_rendezvous_is_repeated_once(tmp_path, capsys):
+@pytest.mark.parametrize("failure", range(len(RENDEZVOUS_FAILURES)))
+def test_a_failed_rendezvous_is_repeated_once(tmp_path, capsys, monkeypatch, failure):
+    monkeypatch.setenv("FAKE_RENDEZVOUS_FAILURE", str(failure))
     out = _run(tmp_path, "once")
     assert all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in (0, 1))
     with open(os.path.join(out, "log.refused", "workerlog.0")) as f:
-        assert "Connection refused" in f.read()
+        first = f.read()
+    assert all(s in first for s in RENDEZVOUS_FAILURES[failure])
     assert "repeated once" in capsys.readouterr().out
 
 
