@@ -533,11 +533,10 @@ def fused_linear(x, weight, bias=None, name=None):
     pack = _recomputing_state.pack
     if pack is not None:
         return _recomputed_linear(x, weight, bias, pack)
-    y = FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
     kept = _recomputing_state.kept
     if kept is not None:  # a recompute policy that keeps GEMM outputs
-        kept.add(x, weight, y)
-    return y
+        return kept.offer(FusedLinearWithGradAdd.apply, x, weight, bias, False, facts)
+    return FusedLinearWithGradAdd.apply(x, weight, bias, False, facts)
 
 
 def _recomputed_linear(x, weight, bias, pack):
@@ -582,7 +581,7 @@ def apply_under_policy(apply, x, weight, *args, saves=None):
     """``apply(x, weight, *args)``: a linear that saves at most one tensor for backward
     (fleet's overlap linears' ``PyLayer.apply``, Paddle's linear with grad off), under the
     recompute policy of the block running it.  In the block's forward the output is offered to
-    the policy (``KeptOutputs.add``); in its recomputation a kept output is handed back instead
+    the policy (``KeptOutputs.offer``); in its recomputation a kept output is handed back instead
     of multiplying again, and the tensor the linear would save goes to the pack hook: ``x``, or
     ``saves(x)`` (the sequence-parallel linear saves its all-gathered input; None: nothing).
     Outside a policy: ``apply`` itself."""
@@ -591,9 +590,7 @@ def apply_under_policy(apply, x, weight, *args, saves=None):
         return apply(x, weight, *args)
     pack = _recomputing_state.pack
     if pack is None:
-        y = apply(x, weight, *args)
-        kept.add(x, weight, y)
-        return y
+        return kept.offer(apply, x, weight, *args)
     found = kept.take(x, weight)
     if found is None:
         return apply(x, weight, *args)

@@ -15,7 +15,10 @@ the block's forward records each fused linear's output in a :class:`KeptOutputs`
 recomputation hands the same output back instead of multiplying again: the linear's input is
 recomputed (the backward needs it, and the ops before the linear reproduce it anyway), its
 output is not.  The n-th fused linear of the replay is the n-th of the forward (the replay runs
-the same code on the same values; the determinism check covers what is recomputed).
+the same code on the same values; the determinism check covers what is recomputed), counting
+only the linears outside the sublayers the policy keeps whole
+(:mod:`paddle_mgrad.recomputation.saved_sublayers`): those run once, in the forward, and the
+replay skips them.
 
 Here, below both, so that neither imports the other (tests/test_import_graph.py).
 """
@@ -24,12 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
+import paddle
 from paddle import _C_ops
 
 from ..threadstate import thread_state
 
-__all__ = ["state", "running", "KeptOutputs", "replayed_output"]
+__all__ = ["state", "running", "KeptOutputs", "replayed_output", "timed"]
 
 #: ``state.pack``: the pack hook of the recomputation this thread runs right now, None when there
 #: is none.  ``state.kept``: the :class:`KeptOutputs` of the block whose forward or recomputation
@@ -48,6 +53,20 @@ def running(pack_hook, kept=None):
         yield
     finally:
         state.pack, state.kept = prev
+
+
+def timed(first, fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), seconds)`` on the host clock; where ``first`` (a tensor the call
+    reads) lies on an accelerator, its queue is emptied at both ends (the time is the call's
+    work, not its launch).  For a ``budget:`` policy's measuring calls only."""
+    on_device = first is not None and not first.place.is_cpu_place()
+    if on_device:
+        paddle.device.synchronize()
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    if on_device:
+        paddle.device.synchronize()
+    return out, time.perf_counter() - t0
 
 
 def replayed_output(y, stop_gradient):
@@ -78,11 +97,27 @@ class KeptOutputs:
     fused linear call, in the same order; it answers None where the linear must be computed
     (not kept, dropped, changed after the forward, or not the call the forward made).
     Entries hold detached tensors (buffer and inplace version shared with the output, no
-    autograd node), so keeping them ties nothing to the forward's graph."""
+    autograd node), so keeping them ties nothing to the forward's graph.
 
-    __slots__ = ("wants", "entries", "cursor", "kept_bytes", "skipped", "skipped_flops")
+    A linear inside a sublayer the policy keeps whole (``inside.depth``) is neither offered
+    nor taken: the replay skips that sublayer, so counting its linears would shift every later
+    one onto another's entry.
 
-    def __init__(self, wants):
+    With ``timings`` (a dict: a ``budget:`` policy's measuring call) nothing is kept: each
+    linear's forward is timed and its output counted, by weight (:meth:`offer`)."""
+
+    __slots__ = (
+        "wants",
+        "entries",
+        "cursor",
+        "kept_bytes",
+        "skipped",
+        "skipped_flops",
+        "inside",
+        "timings",
+    )
+
+    def __init__(self, wants, timings=None):
         #: ``wants(x, weight, y) -> bool``: whether the policy keeps this output
         self.wants = wants
         self.entries: list = []
@@ -90,8 +125,38 @@ class KeptOutputs:
         self.kept_bytes = 0
         self.skipped = 0  # GEMMs not recomputed by the current (or last) recomputation
         self.skipped_flops = 0
+        #: the block's kept sublayers (``saved_sublayers.Sublayers``), or None: none
+        self.inside = None
+        #: ``{id(weight): [seconds, output bytes, [(output alias, its inplace version)]]}``
+        self.timings = timings
 
     # -- forward --------------------------------------------------------------
+    def offer(self, apply, x, weight, *args):
+        """In the block's forward: ``apply(x, weight, *args)`` (a linear), its output offered
+        to the policy."""
+        if self.inside is not None and self.inside.depth:
+            return apply(x, weight, *args)
+        if self.timings is not None:
+            y, seconds = timed(x, apply, x, weight, *args)
+            entry = self.timings.setdefault(id(weight), [0.0, 0, []])
+            entry[0] += seconds
+            entry[1] += math.prod(y.shape) * y.element_size()
+            entry[2].append((y.detach(), y._inplace_version()))
+            return y
+        y = apply(x, weight, *args)
+        self.add(x, weight, y)
+        return y
+
+    def keepable_timings(self):
+        """A measuring call's :attr:`timings` as ``{id(weight): (seconds, bytes)}``, less the
+        linears whose output was changed in place since (they cannot be kept:
+        :meth:`forward_done`)."""
+        return {
+            w: (seconds, nbytes)
+            for w, (seconds, nbytes, outputs) in self.timings.items()
+            if all(self.unchanged(t, version) for t, version in outputs)
+        }
+
     def add(self, x, weight, y):
         if not self.wants(x, weight, y):
             self.entries.append(None)
@@ -130,6 +195,8 @@ class KeptOutputs:
 
     def take(self, x, weight):
         """``(output, stop_gradient)`` kept for this call, or None: compute it."""
+        if self.inside is not None and self.inside.depth:
+            return None
         i = self.cursor
         self.cursor += 1
         entry = self.entries[i] if i < len(self.entries) else None

@@ -1,28 +1,37 @@
-"""The ``budget:<fraction>`` recompute policy: which sublayers to keep, measured on this machine.
+"""The ``budget:<fraction>`` recompute policy: which sublayers and GEMM outputs to keep,
+measured on this machine.
 
-``save:<pattern>`` keeps the sublayers the user names (:mod:`.saved_sublayers`).  ``budget:f``
-chooses them: within ``f`` times the bytes the block's activations take without recompute, keep
-the sublayers that cost the most replay time per byte kept, and recompute the rest.  What is
-costly depends on the machine and the model (on a GPU the GEMMs dominate a decoder layer's time,
-on a CPU attention's softmax and the elementwise ops weigh more), so it is measured, not assumed:
+``save:<pattern>`` keeps the sublayers the user names (:mod:`.saved_sublayers`); ``gemm`` keeps
+every GEMM output.  ``budget:f`` chooses among both: within ``f`` times the bytes the block's
+activations take without recompute, keep what costs the most replay time per byte kept, and
+recompute the rest.  What is costly depends on the machine and the model (on a GPU the GEMMs
+dominate a decoder layer's time, on a CPU attention's softmax and the elementwise ops weigh
+more), so it is measured, not assumed:
 
 * **Candidates**: the direct sublayers of the Layer the block runs (a decoder layer's norms,
-  attention, MLP; the block's Layer found as for ``save:``).  Blocks are planned by kind: the
+  attention, MLP; the block's Layer found as for ``save:``), kept whole; and the output of
+  each fused linear whose weight is a parameter of that Layer (``gemm:<parameter path>``,
+  ``gemm:mlp.up_proj.weight``), kept as ``gemm`` keeps it.  Blocks are planned by kind: the
   Layer's class and its sublayers' names, so every decoder layer of a model shares one plan.
 * **Measuring**: the first :data:`MEASURED_CALLS` calls of a kind run as full recompute (so
   bit-identical like every policy) while each candidate's forward is timed (host clock; on an
   accelerator synchronised around each candidate, in these calls only) and the bytes it costs
-  to keep are counted: the activations its ops save (the pack hook sees them; parameters and
-  the block's arguments are kept anyway and cost nothing) plus its tensor outputs.  The block's
-  own activation bytes (what it keeps without recompute) are counted too.  A candidate's time
-  is its minimum over those calls (the first call of a process pays warm-ups), its bytes their
-  mean.
+  to keep are counted: for a sublayer, the activations its ops save (the pack hook sees them;
+  parameters and the block's arguments are kept anyway and cost nothing) plus its tensor
+  outputs; for a linear, its output.  A linear whose output is changed in place after it
+  (fleet's in-place all-reduce, a residual ``add_``) cannot be kept and is no candidate.  The
+  block's own activation bytes (what it keeps without recompute) are counted too.  A
+  candidate's time is its minimum over those calls (the first call of a process pays
+  warm-ups), its bytes their mean.
 * **Choice**: candidates in decreasing replay time per byte kept, each taken while the bytes
   taken stay within ``f`` times the block's activation bytes (one that does not fit is passed
-  over for a smaller one after it).  A candidate that costs no byte is always taken.  From then
-  on the kind runs as ``save:`` of the chosen sublayers (in a tensor-parallel group, the plan
-  of the group's first rank: every rank must replay the same collectives); the plan is in
-  ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen, measured seconds and bytes).
+  over for a smaller one after it).  A candidate that costs no byte is always taken.  A
+  sublayer taken whole replaces the linears inside it that were taken before (their bytes are
+  given back); a linear inside a sublayer already taken is passed over.  From then on the
+  kind runs the chosen sublayers as ``save:`` and the chosen linears as ``gemm`` (in a
+  tensor-parallel group, the plan of the group's first rank: every rank must replay the same
+  collectives); the plan is in ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen,
+  measured seconds and bytes).
 
 ``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
 to what no recompute keeps.
@@ -30,15 +39,20 @@ to what no recompute keeps.
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 
 from .. import stats
+from ..autograd.recomputing import KeptOutputs
 from .saved_sublayers import Sublayers, block_layers
 
 __all__ = ["MEASURED_CALLS", "Planner"]
 
 #: block calls of a kind measured before its plan is made
 MEASURED_CALLS = 3
+#: a candidate's name for the output of the linears whose weight is the parameter at ``path``
+GEMM = "gemm:"
 
 
 def _kind(root):
@@ -47,14 +61,17 @@ def _kind(root):
 
 
 class _Kind:
-    """What was measured of one kind of block, and its plan once made."""
+    """What was measured of one kind of block, and its plan once made.  ``names``: every
+    candidate's (sublayers, then one ``gemm:`` per parameter); ``owner``: a ``gemm:``
+    candidate's sublayer (None: a parameter of the Layer itself)."""
 
-    __slots__ = ("names", "seconds", "bytes", "block_bytes", "calls", "chosen")
+    __slots__ = ("names", "owner", "seconds", "bytes", "block_bytes", "calls", "chosen")
 
-    def __init__(self, names):
-        self.names = names
-        self.seconds = {n: None for n in names}  # min over calls of the per-call sum
-        self.bytes = {n: 0 for n in names}  # summed over calls
+    def __init__(self, names, params=()):
+        self.names = tuple(names) + tuple(GEMM + p for p in params)
+        self.owner = {GEMM + p: p.split(".")[0] if "." in p else None for p in params}
+        self.seconds = {n: None for n in self.names}  # min over calls of the per-call sum
+        self.bytes = {n: 0 for n in self.names}  # summed over calls
         self.block_bytes = 0  # summed over calls
         self.calls = 0
         self.chosen = None  # tuple of names once planned
@@ -62,15 +79,31 @@ class _Kind:
 
 class _Measurement:
     """What a measuring :class:`Sublayers` reports to: its planner, its kind, the candidates'
-    names by layer id."""
+    names by layer id and by weight id."""
 
-    __slots__ = ("planner", "key", "names")
+    __slots__ = ("planner", "key", "names", "weights")
 
-    def __init__(self, planner, key, names):
-        self.planner, self.key, self.names = planner, key, names
+    def __init__(self, planner, key, names, weights):
+        self.planner, self.key, self.names, self.weights = planner, key, names, weights
 
-    def done(self, sublayers, block_bytes):
-        self.planner.measured(self.key, sublayers, block_bytes)
+    def done(self, sublayers, kept, block_bytes):
+        """The measured call's forward ended: its figures by candidate name."""
+        seconds, costs = dict(sublayers.times), dict(sublayers.costs)
+        for weight, (s, nbytes) in kept.keepable_timings().items():
+            name = self.weights.get(weight)
+            if name is not None:
+                seconds[name] = seconds.get(name, 0.0) + s
+                costs[name] = costs.get(name, 0) + nbytes
+        kept.timings.clear()  # (it holds the linears' outputs: not until backward)
+        self.planner.measured(self.key, seconds, costs, block_bytes)
+
+
+def _never(x, weight, y) -> bool:
+    return False
+
+
+def _chosen_weight(ids, x, weight, y) -> bool:
+    return id(weight) in ids
 
 
 class Planner:
@@ -81,43 +114,65 @@ class Planner:
         self.fraction = fraction
         self.kinds: dict = {}
         self.lock = threading.Lock()
+        # root Layer -> the ids of the weights whose linears its plan keeps
+        self._weight_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def sublayers(self, function, args, kwargs):
-        """The :class:`Sublayers` of one call of the block: measuring ones while its kind is
-        measured, then the planned ones (None: none kept, or no Layer found)."""
+    def plan(self, function, args, kwargs):
+        """``(KeptOutputs or None, Sublayers or None)`` of one call of the block: measuring
+        ones while its kind is measured, then the planned ones (None: nothing of that sort
+        kept, or no Layer found)."""
         roots = block_layers(function, args, kwargs)
         if not roots:
-            return None
+            return None, None
         root = roots[0]
         key = _kind(root)
         children = dict(root.named_children())
         with self.lock:
             kind = self.kinds.get(key)
             if kind is None:
-                kind = self.kinds[key] = _Kind(tuple(children))
+                params = [name for name, _ in root.named_parameters()]
+                kind = self.kinds[key] = _Kind(tuple(children), params)
             chosen = kind.chosen
         if chosen is None:
-            if not children:
-                return None
+            weights = {id(p): GEMM + name for name, p in root.named_parameters()}
+            if not children and not weights:
+                return None, None
             names = {id(layer): name for name, layer in children.items()}
-            return Sublayers(tuple(children.values()), _Measurement(self, key, names))
-        return Sublayers(tuple(children[n] for n in chosen)) if chosen else None
+            measurement = _Measurement(self, key, names, weights)
+            return (
+                KeptOutputs(_never, timings={}),
+                Sublayers(tuple(children.values()), measurement),
+            )
+        layers = tuple(children[n] for n in chosen if n in children)
+        ids = self._chosen_weights(root, chosen)
+        kept = KeptOutputs(functools.partial(_chosen_weight, ids)) if ids else None
+        return kept, Sublayers(layers) if layers else None
 
-    def measured(self, key, sublayers: Sublayers, block_bytes: int):
-        """One measured block call is done (its forward): add it, and plan the kind once
-        :data:`MEASURED_CALLS` calls were measured."""
+    def _chosen_weights(self, root, chosen):
+        with self.lock:
+            ids = self._weight_ids.get(root)
+            if ids is None:
+                ids = self._weight_ids[root] = frozenset(
+                    id(p) for name, p in root.named_parameters() if GEMM + name in chosen
+                )
+        return ids
+
+    def measured(self, key, seconds: dict, costs: dict, block_bytes: int):
+        """One measured block call is done (its forward): add its figures (seconds and bytes
+        by candidate name), and plan the kind once :data:`MEASURED_CALLS` calls were
+        measured."""
         with self.lock:
             kind = self.kinds[key]
             if kind.chosen is not None:
                 return
-            if not sublayers.times:
+            if not seconds:
                 return  # the call ran none of the candidates (a branch around them): no measure
             for name in kind.names:
-                seconds = sublayers.times.get(name)
-                if seconds is not None:  # the minimum over the calls that ran it
+                s = seconds.get(name)
+                if s is not None:  # the minimum over the calls that ran it
                     best = kind.seconds[name]
-                    kind.seconds[name] = seconds if best is None else min(best, seconds)
-                kind.bytes[name] += sublayers.costs.get(name, 0)
+                    kind.seconds[name] = s if best is None else min(best, s)
+                kind.bytes[name] += costs.get(name, 0)
             kind.block_bytes += block_bytes
             kind.calls += 1
             if kind.calls < MEASURED_CALLS:
@@ -136,14 +191,20 @@ class Planner:
             key=lambda n: _per_byte(kind.seconds[n] or 0.0, kind.bytes[n] / calls),
             reverse=True,
         )
-        chosen, taken = set(), 0.0
+        chosen, taken = {}, 0.0  # name -> its bytes
         for name in order:
-            cost = kind.bytes[name] / calls
             if not kind.seconds[name]:
                 continue  # (never called: nothing to spare)
-            if taken + cost <= budget:
-                chosen.add(name)
-                taken += cost
+            if kind.owner.get(name) in chosen:
+                continue  # a linear of a sublayer kept whole
+            inner = [n for n in chosen if kind.owner.get(n) == name]
+            freed = sum(chosen[n] for n in inner)
+            cost = kind.bytes[name] / calls
+            if taken - freed + cost <= budget:
+                for n in inner:
+                    del chosen[n]
+                chosen[name] = cost
+                taken += cost - freed
         return tuple(n for n in kind.names if n in chosen)
 
     def _report(self, kind):
@@ -155,12 +216,14 @@ class Planner:
             "measured": {
                 n: {"seconds": kind.seconds[n] or 0.0, "bytes": kind.bytes[n] // calls}
                 for n in kind.names
+                if n not in kind.owner or kind.seconds[n] is not None
             },
         }
 
 
 def _lockstep_group():
-    """The ranks that must keep the same sublayers, or None: the tensor-parallel group.
+    """The ranks that must keep the same sublayers and GEMM outputs, or None: the
+    tensor-parallel group.
 
     Its ranks run each sublayer's collectives (a row-parallel linear's all-reduce) together;
     a sublayer kept on one rank is not replayed there while another rank's replay waits in

@@ -107,8 +107,9 @@ class _Frame:
         self.function = function
         # what the block's policy keeps from its forward (:mod:`.policy`); None: full
         self.policy = policy
-        self.kept = None if policy is None else policy.kept_outputs()
-        self.sublayers = None if policy is None else policy.saved_sublayers(function, args, kwargs)
+        self.kept, self.sublayers = (
+            (None, None) if policy is None else policy.plan(function, args, kwargs)
+        )
         self.replaying = False  # inside rerun()
         self.cursor = 0  # rerun(): the index of the next saved tensor
         self.check = check  # "shapes", "values" or "none"

@@ -18,8 +18,9 @@ recompute (and to no recompute); only memory and time change.
   replay skips them (:mod:`.saved_sublayers`).  Megatron's ``--recompute-modules`` inverted, at
   sublayer grain; no model edits.
 * ``"budget:<fraction>"``: automatic.  Within ``fraction`` times the bytes the block's
-  activations take without recompute, keep the sublayers with the most replay time per byte
-  kept, measured on this machine in the block's first calls (:mod:`.budget`).
+  activations take without recompute, keep the sublayers and the GEMM outputs with the most
+  replay time per byte kept, measured on this machine in the block's first calls
+  (:mod:`.budget`).
 * a callable ``policy(call) -> bool``: asked once per fused linear in the block's forward with
   a :class:`GemmCall`; True keeps that output (``lambda c: c.flops > 1e9``).
 
@@ -77,24 +78,24 @@ class Policy:
     chooser: Optional[Callable] = None  # None: keep every GEMM output
     gemm: bool = True
     patterns: Tuple[str, ...] = ()
-    planner: Optional[_budget.Planner] = None  # budget: measures, then chooses sublayers
+    planner: Optional[_budget.Planner] = None  # budget: measures, then chooses what to keep
 
-    def kept_outputs(self) -> Optional[KeptOutputs]:
-        """A new :class:`KeptOutputs` for one block call, asking this policy (None: it keeps
-        no GEMM output)."""
-        if not self.gemm:
-            return None
-        return KeptOutputs(_keep_all if self.chooser is None else self._asks)
-
-    def saved_sublayers(self, function, args, kwargs) -> Optional[_saved.Sublayers]:
-        """The sublayers of the block ``function(*args, **kwargs)`` this policy does not
-        recompute (None: none)."""
+    def plan(self, function, args, kwargs):
+        """What this policy keeps of one call of the block ``function(*args, **kwargs)``:
+        ``(KeptOutputs or None, Sublayers or None)`` -- the GEMM outputs it keeps (None: none)
+        and the sublayers it does not recompute (None: none)."""
         if self.planner is not None:
-            return self.planner.sublayers(function, args, kwargs)
-        if not self.patterns:
-            return None
-        layers = _saved.matching(self.patterns, function, args, kwargs)
-        return _saved.Sublayers(layers) if layers else None
+            kept, sublayers = self.planner.plan(function, args, kwargs)
+        else:
+            kept = sublayers = None
+            if self.gemm:
+                kept = KeptOutputs(_keep_all if self.chooser is None else self._asks)
+            if self.patterns:
+                layers = _saved.matching(self.patterns, function, args, kwargs)
+                sublayers = _saved.Sublayers(layers) if layers else None
+        if kept is not None:
+            kept.inside = sublayers
+        return kept, sublayers
 
     def _asks(self, x, weight, y) -> bool:
         out_shape = tuple(y.shape)
@@ -162,7 +163,7 @@ def forward_done(
     when the block will not be ``recomputed``), count the call; a ``budget:`` policy's
     measuring call reports what it measured (``activation_bytes``: the block's)."""
     if sublayers is not None and sublayers.measure is not None:
-        sublayers.measure.done(sublayers, activation_bytes)
+        sublayers.measure.done(sublayers, kept, activation_bytes)
     if not recomputed:
         if kept is not None:
             kept.entries.clear()

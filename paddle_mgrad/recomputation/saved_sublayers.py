@@ -48,12 +48,11 @@ import math
 import os
 import sys
 import threading
-import time
 import warnings
 import weakref
 
 from .._compat import is_tensor, paddle
-from ..autograd.recomputing import replayed_output
+from ..autograd.recomputing import replayed_output, timed
 from ..threadstate import thread_state
 from . import rng as _rng
 from .tensors import function_name, iter_tensors
@@ -299,16 +298,9 @@ class Sublayers:
         return out
 
     def _measured(self, frame, layer, forward, args, kwargs):
-        inputs = list(iter_tensors((args, kwargs)))
-        on_device = any(not t.place.is_cpu_place() for t in inputs[:1])
-        if on_device:  # (host clock: the device's queue must be empty at both ends)
-            paddle.device.synchronize()
+        first = next(iter_tensors((args, kwargs)), None)
         start = len(frame.specs)
-        t0 = time.perf_counter()
-        out = forward(*args, **kwargs)
-        if on_device:
-            paddle.device.synchronize()
-        seconds = time.perf_counter() - t0
+        out, seconds = timed(first, forward, *args, **kwargs)
         name = self.measure.names[id(layer)]
         self.times[name] = self.times.get(name, 0.0) + seconds
         self.costs[name] = (

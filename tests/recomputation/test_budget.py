@@ -8,6 +8,7 @@ import paddle
 import policy_runs
 import pytest
 from decoder import ROWS, D, Decoder, custom_forward
+from in_place_ops import IN_PLACE
 from paddle.distributed.fleet.utils import recompute as paddles_recompute
 from policy_runs import assert_identical
 
@@ -16,6 +17,8 @@ from paddle_mgrad import EnvError, stats
 from paddle_mgrad.recomputation import budget, policy as policy_mod
 
 MODES = ("reentrant", "non_reentrant")
+#: the fused linears of a Decoder, by path
+GEMMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate", "mlp.up", "mlp.down")
 STEPS = budget.MEASURED_CALLS + 2  # measured calls, then planned ones
 
 
@@ -46,13 +49,18 @@ def test_budget_equals_no_recompute(fresh_plans, mode, fraction):
     # planned after the measured calls; the planned calls skip what was chosen
     planned = STEPS - budget.MEASURED_CALLS
     assert counters["calls"] == STEPS
-    assert counters["sublayers_not_recomputed"] == planned * len(chosen)
+    gemms_chosen = [n for n in chosen if n.startswith("gemm:")]
+    assert counters["sublayers_not_recomputed"] == planned * (len(chosen) - len(gemms_chosen))
     taken = sum(plan["measured"][n]["bytes"] for n in chosen)
     assert taken <= plan["budget_bytes"] == int(float(fraction) * plan["block_bytes"])
     assert plan["block_bytes"] > 0
+    gemms = [f"gemm:{p}.weight" for p in GEMMS]
     assert sorted(plan["measured"]) == sorted(
-        ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "dropout"]
+        ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "dropout", *gemms]
     )
+    # each chosen linear's outputs are kept in the planned calls (none inside a kept sublayer)
+    assert not any(n.split(":")[1].split(".")[0] in chosen for n in gemms_chosen)
+    assert counters["gemms_not_recomputed"] == planned * len(gemms_chosen)
 
 
 def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans):
@@ -62,13 +70,6 @@ def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans):
     assert plans["budget:1"]["Decoder"]["chosen"]
     free = [n for n, m in plans["budget:0"]["Decoder"]["measured"].items() if m["bytes"] == 0]
     assert plans["budget:0"]["Decoder"]["chosen"] == free
-
-
-class _Figures:
-    """What a measuring call reports: per candidate seconds and bytes."""
-
-    def __init__(self, seconds, costs):
-        self.times, self.costs = seconds, costs
 
 
 @pytest.mark.parametrize(
@@ -90,10 +91,8 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
         slow = 5.0 if call == 0 else 1.0
         planner.measured(
             key,
-            _Figures(
-                {"a": slow, "b": 1.0, "c": 1.0, "free": 0.5},
-                {"a": 100, "b": 10, "c": 50, "free": 0},
-            ),
+            {"a": slow, "b": 1.0, "c": 1.0, "free": 0.5},
+            {"a": 100, "b": 10, "c": 50, "free": 0},
             200,
         )
     assert planner.kinds[key].chosen == chosen
@@ -119,10 +118,8 @@ def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
         last = call == budget.MEASURED_CALLS - 1
         planner.measured(
             key,
-            _Figures(
-                {"a": 2.0 * slow, "b": 3.0 * slow, "c": 8.0 * slow},
-                {"a": 10 + last, "b": 20, "c": 25},
-            ),
+            {"a": 2.0 * slow, "b": 3.0 * slow, "c": 8.0 * slow},
+            {"a": 10 + last, "b": 20, "c": 25},
             100 + last,
         )
     assert planner.kinds[key].chosen == ("a", "c")
@@ -141,27 +138,37 @@ def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates
     key = ("Block", names)
     planner.kinds[key] = budget._Kind(names)
     for call in range(budget.MEASURED_CALLS):
-        planner.measured(key, _Figures({"one": 1.0, "free": 1.0}, {"one": int(call == 0)}), 0)
+        planner.measured(key, {"one": 1.0, "free": 1.0}, {"one": int(call == 0)}, 0)
     assert planner.kinds[key].chosen == ("free",)
 
 
 def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
     """Once planned, a block whose plan keeps nothing runs as full recompute: no sublayers to
-    wrap (None); one that keeps the MLP gets its MLP."""
+    wrap and no GEMM output to keep (None, None); one that keeps the MLP gets its MLP; one
+    that keeps a linear's output keeps the outputs of that weight only."""
     paddle.seed(11)
     net = Decoder()
     planner = budget.Planner("budget:test", 0.5)
     kind = budget._Kind(tuple(name for name, _ in net.named_children()))
     planner.kinds[budget._kind(net)] = kind
     kind.chosen = ()
-    assert planner.sublayers(net, (), {}) is None
+    assert planner.plan(net, (), {}) == (None, None)
     kind.chosen = ("mlp",)
-    assert planner.sublayers(net, (), {}).layers == (net.mlp,)
+    kept, sublayers = planner.plan(net, (), {})
+    assert kept is None and sublayers.layers == (net.mlp,)
+    kind.chosen = ("gemm:self_attn.q_proj.weight",)
+    planner._weight_ids.clear()
+    kept, sublayers = planner.plan(net, (), {})
+    assert sublayers is None
+    x = paddle.ones([2, D])
+    assert kept.wants(x, net.self_attn.q_proj.weight, x)
+    assert not kept.wants(x, net.self_attn.k_proj.weight, x)
+    assert not kept.wants(x, net.self_attn.q_proj.bias, x)
 
 
 def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS):
     for _ in range(calls):
-        planner.measured(key, _Figures(dict(seconds), dict(costs)), 200)
+        planner.measured(key, dict(seconds), dict(costs), 200)
 
 
 def test_calls_that_ran_none_of_the_sublayers_measure_nothing(fresh_plans):
@@ -269,3 +276,123 @@ def test_bad_budgets_are_named(monkeypatch, bad):
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", bad)
     with pytest.raises(EnvError, match=r"PADDLE_MGRAD_RECOMPUTE_POLICY=.*budget:<fraction>"):
         policy_mod.resolve()
+
+
+def _gemm_kind(planner, key, sublayers, params):
+    planner.kinds[key] = budget._Kind(sublayers, params)
+    return planner.kinds[key]
+
+
+@pytest.mark.parametrize(
+    "fraction, chosen",
+    [
+        # by s/B: top (1; the Layer's own parameter, inside no sublayer), a.w (0.5), b.w
+        # (0.25), a (0.2), b (0.01).  Within 100 bytes: top, a.w, b.w take 35; a then takes 40
+        # more in place of a.w's 10 (75); b does not fit
+        (0.5, ("a", "gemm:b.w", "gemm:top")),
+        # within 80: a fits only by giving back a.w's bytes
+        (0.4, ("a", "gemm:b.w", "gemm:top")),
+        # within 40: a does not fit in place of a.w (75): a.w and b.w stay
+        (0.2, ("gemm:a.w", "gemm:b.w", "gemm:top")),
+        # within 30: b.w does not fit after top and a.w (35), nor a (55)
+        (0.15, ("gemm:a.w", "gemm:top")),
+    ],
+)
+def test_a_sublayer_taken_whole_replaces_its_linears_and_a_kept_one_hides_them(
+    fresh_plans, fraction, chosen
+):
+    planner = budget.Planner("budget:test", fraction)
+    key = ("Block", ("a", "b"))
+    kind = _gemm_kind(planner, key, ("a", "b"), ("a.w", "b.w", "top", "norm"))
+    assert kind.owner == {"gemm:a.w": "a", "gemm:b.w": "b", "gemm:top": None, "gemm:norm": None}
+    seconds = {"a": 10.0, "b": 1.0, "gemm:a.w": 5.0, "gemm:b.w": 5.0, "gemm:top": 5.0}
+    costs = {"a": 50, "b": 100, "gemm:a.w": 10, "gemm:b.w": 20, "gemm:top": 5}
+    _measure(planner, key, seconds, costs)  # block bytes 200
+    assert kind.chosen == tuple(n for n in kind.names if n in chosen)
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert "gemm:norm" not in report["measured"]  # never a linear's weight: no candidate
+    assert report["measured"]["gemm:a.w"] == {"seconds": 5.0, "bytes": 10}
+
+
+def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
+    planner = budget.Planner("budget:test", 1.0)
+    key = ("Block", ("a",))
+    kind = _gemm_kind(planner, key, ("a",), ("a.w",))
+    _measure(planner, key, {"a": 10.0, "gemm:a.w": 0.5}, {"a": 10, "gemm:a.w": 10})
+    assert kind.chosen == ("a",)
+
+
+class _Chain(paddle.nn.Layer):
+    """``d(tanh(c(tanh(s(h)))))``: three linears of one shape, each a sublayer of its own;
+    ``after_s`` (an :data:`IN_PLACE` op) changes ``s``'s output in place."""
+
+    def __init__(self, after_s=None):
+        super().__init__()
+        self.s = paddle.nn.Linear(D, D)
+        self.c = paddle.nn.Linear(D, D)
+        self.d = paddle.nn.Linear(D, D)
+        self.after_s = after_s
+
+    def forward(self, h):
+        a = self.s(h)
+        if self.after_s is not None:
+            a = self.after_s(a)
+        return self.d(paddle.tanh(self.c(paddle.tanh(a))))
+
+
+@pytest.mark.parametrize("after_s", [None, "scale_"])
+@pytest.mark.parametrize("mode", MODES)
+def test_linears_after_a_kept_sublayer_get_their_own_outputs(fresh_plans, mode, after_s):
+    """A plan that keeps sublayer ``s`` whole and the outputs of ``c`` and ``d``: the replay
+    skips ``s`` and its linear, so had the forward counted that linear, ``c`` would take its
+    (empty) entry and ``d`` would take ``c``'s output -- the same shapes: a wrong gradient.
+    With ``s``'s output changed in place, the replay runs ``s`` after all: its linear must
+    not take ``c``'s entry either."""
+
+    def make():
+        return _Chain(after_s and IN_PLACE[after_s])
+
+    ref = policy_runs.train(make, "none", None, STEPS, rows=ROWS, d=D)
+    planned = policy_mod.resolve("budget:0.5")
+    kind = _gemm_kind(planned.planner, budget._kind(make()), ("s", "c", "d"), ())
+    kind.chosen = ("s", "gemm:c.weight", "gemm:d.weight")
+    got = policy_runs.train(make, mode, "budget:0.5", STEPS, rows=ROWS, d=D)
+    assert_identical(got, ref)
+    counters = stats.snapshot()["policy"]["budget:0.5"]
+    assert counters["sublayers_not_recomputed"] == (0 if after_s else STEPS)
+    assert counters["gemms_not_recomputed"] == 2 * STEPS
+
+
+@pytest.mark.parametrize("op", ["add_", "relu_"])
+def test_a_linear_whose_output_is_changed_in_place_is_no_candidate(fresh_plans, op):
+    """The MLP's output (its ``down`` linear's) is changed in place after it: it cannot be kept
+    (``gemm`` would drop it), so the plan never counts it."""
+    ref = policy_runs.train(lambda: Decoder(after=IN_PLACE[op]), "none", None, STEPS, rows=ROWS)
+    got = policy_runs.train(
+        lambda: Decoder(after=IN_PLACE[op]), "non_reentrant", "budget:1", STEPS, rows=ROWS
+    )
+    assert_identical(got, ref)
+    measured = stats.snapshot()["plans"]["budget:1"]["Decoder"]["measured"]
+    assert "gemm:mlp.down.weight" not in measured and "gemm:mlp.up.weight" in measured
+
+
+def test_measured_gemm_bytes_are_what_gemm_keeps(fresh_plans):
+    """A linear's measured bytes equal what ``gemm`` keeps of it (``kept_bytes`` of a policy
+    that keeps that weight's outputs only), and its seconds are a time (> 0)."""
+    train("non_reentrant", "budget:0.5")
+    measured = stats.snapshot()["plans"]["budget:0.5"]["Decoder"]["measured"]
+    for path in ("self_attn.q_proj", "mlp.gate", "mlp.down"):
+        stats.reset()
+        nets = []
+
+        def make():
+            nets.append(Decoder())
+            return nets[-1]
+
+        def only(call, path=path):
+            return call.weight is dict(nets[-1].named_sublayers())[path].weight
+
+        policy_runs.train(make, "non_reentrant", only, 1, rows=ROWS, d=D)
+        kept = stats.snapshot()["policy"]["only"]["kept_bytes"]
+        assert kept == measured[f"gemm:{path}.weight"]["bytes"] > 0, path
+        assert measured[f"gemm:{path}.weight"]["seconds"] > 0
