@@ -262,8 +262,8 @@ KNOBS: Tuple[Knob, ...] = (
         "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
         "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
         "whose class name or attribute path matches (a glob: save:*MLP), budget:<fraction> "
-        "chooses them by replay time per byte measured in the first calls, within that "
-        "fraction of the bytes of the block's activations",
+        "chooses sublayers and linear outputs by replay time per byte measured in the first "
+        "calls, within that fraction of the bytes of the block's activations",
     ),
     Knob(
         "PADDLE_MGRAD_REPORT",
