@@ -12,7 +12,10 @@ more), so it is measured, not assumed:
   attention, MLP; the block's Layer found as for ``save:``), kept whole; and the output of
   each fused linear whose weight is a parameter of that Layer (``gemm:<parameter path>``,
   ``gemm:mlp.up_proj.weight``), kept as ``gemm`` keeps it.  Blocks are planned by kind: the
-  Layer's class and its sublayers' names, so every decoder layer of a model shares one plan.
+  Layer's class, its sublayers' names and its parameters' paths, so every decoder layer of a
+  model shares one plan, and a dense and a mixture-of-experts decoder layer of one class
+  (DeepSeek's first layers and the others) are two kinds (``stats.plans``: the class name,
+  then ``#2``, ``#3``, ... for further kinds of one class).
 * **Measuring**: the first :data:`MEASURED_CALLS` calls of a kind run as full recompute (so
   bit-identical like every policy) while each candidate's forward is timed (host clock; on an
   accelerator synchronised around each candidate, in these calls only) and the bytes it costs
@@ -55,19 +58,32 @@ MEASURED_CALLS = 3
 GEMM = "gemm:"
 
 
+# root Layer -> its kind's key; a model's structure is fixed once built
+_keys: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _kind(root):
-    """A plan's key: the Layer's class and its direct sublayers' names."""
-    return (type(root).__qualname__, tuple(name for name, _ in root.named_children()))
+    """A plan's key: the Layer's class, its direct sublayers' names, its parameters' paths."""
+    key = _keys.get(root)
+    if key is None:
+        key = _keys[root] = (
+            type(root).__qualname__,
+            tuple(name for name, _ in root.named_children()),
+            tuple(name for name, _ in root.named_parameters()),
+        )
+    return key
 
 
 class _Kind:
-    """What was measured of one kind of block, and its plan once made.  ``names``: every
-    candidate's (sublayers, then one ``gemm:`` per parameter); ``owner``: a ``gemm:``
-    candidate's sublayer (None: a parameter of the Layer itself)."""
+    """What was measured of one kind of block, and its plan once made.  ``label``: its name in
+    ``stats.plans``; ``names``: every candidate's (sublayers, then one ``gemm:`` per
+    parameter); ``owner``: a ``gemm:`` candidate's sublayer (None: a parameter of the Layer
+    itself)."""
 
-    __slots__ = ("names", "owner", "seconds", "bytes", "block_bytes", "calls", "chosen")
+    __slots__ = ("label", "names", "owner", "seconds", "bytes", "block_bytes", "calls", "chosen")
 
-    def __init__(self, names, params=()):
+    def __init__(self, label, names, params=()):
+        self.label = label
         self.names = tuple(names) + tuple(GEMM + p for p in params)
         self.owner = {GEMM + p: p.split(".")[0] if "." in p else None for p in params}
         self.seconds = {n: None for n in self.names}  # min over calls of the per-call sum
@@ -130,8 +146,9 @@ class Planner:
         with self.lock:
             kind = self.kinds.get(key)
             if kind is None:
-                params = [name for name, _ in root.named_parameters()]
-                kind = self.kinds[key] = _Kind(tuple(children), params)
+                same = sum(k[0] == key[0] for k in self.kinds)
+                label = key[0] if not same else f"{key[0]}#{same + 1}"
+                kind = self.kinds[key] = _Kind(label, key[1], key[2])
             chosen = kind.chosen
         if chosen is None:
             weights = {id(p): GEMM + name for name, p in root.named_parameters()}
@@ -181,7 +198,7 @@ class Planner:
             chosen = self._choose(kind)
             kind.chosen = chosen if group is None else _agreed(kind.names, chosen, group)
             report = self._report(kind)
-        stats.set_plan(self.name, key[0], report)
+        stats.set_plan(self.name, kind.label, report)
 
     def _choose(self, kind):
         calls = kind.calls

@@ -92,7 +92,8 @@ SAVE = "save:self_attn,*Attention"  # train_family.SAVE
 RECOMPUTE_MODES = ("reentrant", "non_reentrant")
 AFTER_ERROR = tuple(m + "_after_error" for m in RECOMPUTE_MODES)
 BUDGET = "budget:0.5"  # train_family.BUDGET
-MEASURED_CALLS = 3  # paddle_mgrad.recomputation.budget.MEASURED_CALLS
+BUDGET_MEASURED_CALLS = 1  # train_family.BUDGET_MEASURED_CALLS
+LOSS_BLOCK = "CriterionLayer"  # the loss block some families recompute (a kind of its own)
 # train_family.py: the policies
 POLICIES = ("non_reentrant_gemm", "non_reentrant_save", "non_reentrant_budget")
 INJECTED = "injected error in a recomputation"
@@ -283,24 +284,34 @@ def check_mode(family, mode, r, g, ref, ref_grads):
 
 
 def _check_budget(family, r, calls, blocks):
-    """``budget:``: every block call counted; the decoder layers (one kind) measured in their
-    first calls, then planned within the budget, the planned calls skipping what was chosen."""
+    """``budget:``: every block call counted; each kind of decoder layer (a dense and a
+    mixture-of-experts one are two) measured in its first calls, then planned within the
+    budget, the planned calls skipping what was chosen: its sublayers and its linears' GEMMs
+    (one linear per chosen weight here)."""
     s, plans = r["policy"].get(BUDGET, {}), r["plans"].get(BUDGET, {})
     if not (s.get("calls") == calls and s.get("replays") == blocks):
         return [f"budget policy counters {r['policy']} (expected {calls} calls)"]
     if FAMILIES[family][4] is None:  # (no decoder layer recomputed: nothing planned)
-        return [] if not plans else [f"plans without decoder layers: {plans}"]
-    if len(plans) != 1:
-        return [f"not one plan for the decoder layers: {sorted(plans)}"]
-    (plan,) = plans.values()
-    chosen = plan["chosen"]
-    taken = sum(plan["measured"][n]["bytes"] for n in chosen)
-    planned = MICRO * LAYERS - MEASURED_CALLS
-    problems = []
-    if not (chosen and taken <= plan["budget_bytes"] < plan["block_bytes"]):
-        problems.append(f"plan {plan} (nothing chosen, or over the budget)")
-    if s.get("sublayers_not_recomputed") != planned * len(chosen):
-        problems.append(f"budget counters {s} ({planned} planned calls of {chosen})")
+        extra = set(plans) - {LOSS_BLOCK}
+        return [] if not extra else [f"plans without decoder layers: {plans}"]
+    decoder = [label for label in plans if label != LOSS_BLOCK]
+    if len(decoder) not in (1, LAYERS):
+        return [f"neither one plan nor one per decoder layer: {sorted(plans)}"]
+    problems, sublayers, gemms = [], 0, 0
+    for label, plan in plans.items():
+        chosen = plan["chosen"]
+        taken = sum(plan["measured"][n]["bytes"] for n in chosen)
+        if not ((chosen or label == LOSS_BLOCK) and taken <= plan["budget_bytes"]):
+            problems.append(f"plan {label} {plan} (nothing chosen, or over the budget)")
+        # the calls of its kind: the loss block's one per micro-step, each decoder kind's its
+        # layers' (one per layer and micro-step), less those measured
+        calls = MICRO if label == LOSS_BLOCK else MICRO * LAYERS // len(decoder)
+        planned = calls - BUDGET_MEASURED_CALLS
+        n_gemms = sum(n.startswith("gemm:") for n in chosen)
+        sublayers += planned * (len(chosen) - n_gemms)
+        gemms += planned * n_gemms
+    if (s.get("sublayers_not_recomputed"), s.get("gemms_not_recomputed")) != (sublayers, gemms):
+        problems.append(f"budget counters {s} (expected {sublayers} sublayers, {gemms} GEMMs)")
     return problems
 
 

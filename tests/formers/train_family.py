@@ -68,8 +68,12 @@ MODES = (
 POLICY_ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
 #: the policy of ``non_reentrant_save``: the attention sublayer by attribute path or class name
 SAVE = "save:self_attn,*Attention"
-#: the policy of ``non_reentrant_budget``: the planner's choice within half the bytes
+#: the policy of ``non_reentrant_budget``: the planner's choice within half the bytes, each kind
+#: of decoder layer planned after its first call (:data:`BUDGET_MEASURED_CALLS`: the families
+#: whose first layers are dense and the others mixture-of-experts run one call of each kind per
+#: micro-step)
 BUDGET = "budget:0.5"
+BUDGET_MEASURED_CALLS = 1
 POLICY_OF = {"_gemm": "gemm", "_save": SAVE, "_budget": BUDGET}
 INJECTED = "injected error in a recomputation (tests/formers/train_family.py)"
 
@@ -169,13 +173,19 @@ def micro_step(wrapped, ids, labels):
 def run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):
     """One mode's training; ``<mode>_gemm`` / ``<mode>_save``: with that recompute policy,
     switched on the way a user does it with no edits (the environment variable)."""
+    from paddle_mgrad.recomputation import budget
+
     policy = POLICY_OF.get(mode[mode.rfind("_") :])
     if policy is not None:
         os.environ[POLICY_ENV] = policy
+    measured_calls = budget.MEASURED_CALLS
+    if policy == BUDGET:
+        budget.MEASURED_CALLS = BUDGET_MEASURED_CALLS
     try:
         return _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir)
     finally:
         os.environ.pop(POLICY_ENV, None)
+        budget.MEASURED_CALLS = measured_calls
 
 
 def _run_mode(config_cls, model_cls, family, mode, initial, data, out_dir):

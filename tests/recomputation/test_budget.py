@@ -18,7 +18,14 @@ from paddle_mgrad.recomputation import budget, policy as policy_mod
 
 MODES = ("reentrant", "non_reentrant")
 #: the fused linears of a Decoder, by path
-GEMMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate", "mlp.up", "mlp.down")
+GEMMS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.o_proj",
+    "mlp.gate",
+    "mlp.up",
+    "mlp.down",
+)
 STEPS = budget.MEASURED_CALLS + 2  # measured calls, then planned ones
 
 
@@ -85,7 +92,7 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
     names = ("a", "b", "c", "free", "never")
     planner = budget.Planner("budget:test", fraction)
     key = ("Block", names)
-    planner.kinds[key] = budget._Kind(names)
+    planner.kinds[key] = budget._Kind("Block", names)
     for call in range(budget.MEASURED_CALLS):
         # times vary between calls: the minimum counts (warm-ups); bytes are averaged
         slow = 5.0 if call == 0 else 1.0
@@ -112,7 +119,7 @@ def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
     names = ("a", "b", "c")
     planner = budget.Planner("budget:test", 0.5)
     key = ("Block", names)
-    planner.kinds[key] = budget._Kind(names)
+    planner.kinds[key] = budget._Kind("Block", names)
     for call in range(budget.MEASURED_CALLS):
         slow = 5.0 if call == budget.MEASURED_CALLS - 1 else 1.0
         last = call == budget.MEASURED_CALLS - 1
@@ -136,7 +143,7 @@ def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates
     names = ("one", "free")
     planner = budget.Planner("budget:test", 1.0)
     key = ("Block", names)
-    planner.kinds[key] = budget._Kind(names)
+    planner.kinds[key] = budget._Kind("Block", names)
     for call in range(budget.MEASURED_CALLS):
         planner.measured(key, {"one": 1.0, "free": 1.0}, {"one": int(call == 0)}, 0)
     assert planner.kinds[key].chosen == ("free",)
@@ -149,7 +156,7 @@ def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
     paddle.seed(11)
     net = Decoder()
     planner = budget.Planner("budget:test", 0.5)
-    kind = budget._Kind(tuple(name for name, _ in net.named_children()))
+    kind = budget._Kind("Decoder", *budget._kind(net)[1:])
     planner.kinds[budget._kind(net)] = kind
     kind.chosen = ()
     assert planner.plan(net, (), {}) == (None, None)
@@ -178,7 +185,7 @@ def test_calls_that_ran_none_of_the_sublayers_measure_nothing(fresh_plans):
     names = ("a", "b")
     planner = budget.Planner("budget:test", 1.0)
     key = ("Block", names)
-    planner.kinds[key] = budget._Kind(names)
+    planner.kinds[key] = budget._Kind("Block", names)
     _measure(planner, key, {}, {}, calls=5)
     assert planner.kinds[key].calls == 0 and planner.kinds[key].chosen is None
     _measure(planner, key, {"b": 1.0}, {"b": 10}, calls=1)
@@ -214,7 +221,7 @@ def test_a_tensor_parallel_group_runs_its_first_ranks_plan(fresh_plans, monkeypa
     names = ("a", "b", "c")
     planner = budget.Planner("budget:test", 0.1)
     key = ("Block", names)
-    planner.kinds[key] = budget._Kind(names)
+    planner.kinds[key] = budget._Kind("Block", names)
     _measure(planner, key, {"a": 1.0, "b": 9.0, "c": 1.0}, {"a": 50, "b": 10, "c": 0})
     assert len(sent) == 1 and sent[0][1:] == (4, sent[0][2])
     assert sent[0][0] == [0, 1, 1]  # this rank's own plan: b and c
@@ -279,7 +286,7 @@ def test_bad_budgets_are_named(monkeypatch, bad):
 
 
 def _gemm_kind(planner, key, sublayers, params):
-    planner.kinds[key] = budget._Kind(sublayers, params)
+    planner.kinds[key] = budget._Kind(key[0], sublayers, params)
     return planner.kinds[key]
 
 
@@ -385,14 +392,63 @@ def test_measured_gemm_bytes_are_what_gemm_keeps(fresh_plans):
         stats.reset()
         nets = []
 
-        def make():
+        def make(nets=nets):
             nets.append(Decoder())
             return nets[-1]
 
-        def only(call, path=path):
+        def only(call, path=path, nets=nets):
             return call.weight is dict(nets[-1].named_sublayers())[path].weight
 
         policy_runs.train(make, "non_reentrant", only, 1, rows=ROWS, d=D)
         kept = stats.snapshot()["policy"]["only"]["kept_bytes"]
         assert kept == measured[f"gemm:{path}.weight"]["bytes"] > 0, path
         assert measured[f"gemm:{path}.weight"]["seconds"] > 0
+
+
+class _Mixed(paddle.nn.Layer):
+    """One class, two structures under the same sublayer name (DeepSeek's dense first layers and
+    its mixture-of-experts ones): ``mlp`` is one linear or an :class:`decoder.MLP`."""
+
+    def __init__(self, wide):
+        super().__init__()
+        self.norm = paddle.nn.LayerNorm(D)
+        self.mlp = Decoder().mlp if wide else paddle.nn.Linear(D, D)
+
+    def forward(self, h):
+        return paddle.tanh(self.mlp(self.norm(h)))
+
+
+def test_layers_of_one_class_with_other_parameters_are_planned_apart(fresh_plans):
+    """Each structure is its own kind, measured and planned on its own calls; both plans are
+    reported (the second under ``_Mixed#2``), and the runs stay bit-identical to no recompute."""
+
+    def run(policy):
+        paddle_mgrad.enable(recompute=True, fused_linear=True)
+        try:
+            paddle.seed(11)
+            layers = [_Mixed(False), _Mixed(True)]
+            grads = []
+            for step in range(2 * STEPS):
+                paddle.seed(100 + step)
+                h = paddle.randn([ROWS, D])
+                h.stop_gradient = False
+                for layer in layers:
+                    h = (
+                        layer(h)
+                        if policy is None
+                        else paddle_mgrad.recompute(layer, h, use_reentrant=False, policy=policy)
+                    )
+                h.sum().backward()
+            for layer in layers:
+                grads += [p.grad.numpy() for p in layer.parameters()]
+            return grads
+        finally:
+            paddle_mgrad.disable()
+
+    ref, got = run(None), run("budget:1")
+    assert all((a == b).all() for a, b in zip(ref, got)) and len(ref) == len(got) > 0
+    plans = stats.snapshot()["plans"]["budget:1"]
+    assert sorted(plans) == ["_Mixed", "_Mixed#2"], plans
+    assert "gemm:mlp.weight" in plans["_Mixed"]["measured"]
+    assert "gemm:mlp.up.weight" in plans["_Mixed#2"]["measured"]
+    assert "gemm:mlp.weight" not in plans["_Mixed#2"]["measured"]
