@@ -213,7 +213,8 @@ def test_trainer_under_a_recompute_policy_matches_plain(tmp_path, plain_run, pol
     else:
         plans = a["plans"][policy]  # the decoder layers' (the loss block's may keep nothing)
         assert plans["LlamaDecoderLayer"]["chosen"], plans
-        assert g.get("sublayers_not_recomputed", 0) > 0, (g, plans)
+        spared = g.get("sublayers_not_recomputed", 0) + g.get("gemms_not_recomputed", 0)
+        assert spared > 0, (g, plans)
 
 
 def test_trainer_two_ranks_data_parallel(tmp_path):

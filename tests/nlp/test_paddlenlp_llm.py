@@ -188,7 +188,12 @@ def test_unmodified_script_under_a_recompute_policy(tmp_path, plain_single_proce
         (plan,) = a["plans"][policy].values()
         assert plan["chosen"], plan
         planned = blocks - 3  # after budget.MEASURED_CALLS
-        assert g.get("sublayers_not_recomputed") == planned * len(plan["chosen"]), (g, plan)
+        gemms = sum(n.startswith("gemm:") for n in plan["chosen"])  # (one linear per weight)
+        assert g.get("sublayers_not_recomputed") == planned * (len(plan["chosen"]) - gemms), (
+            g,
+            plan,
+        )
+        assert g.get("gemms_not_recomputed") == planned * gemms, (g, plan)
 
 
 def test_unmodified_script_two_ranks(tmp_path):
