@@ -106,10 +106,9 @@ class _Measurement:
         """The measured call's forward ended: its figures by candidate name."""
         seconds, costs = dict(sublayers.times), dict(sublayers.costs)
         for weight, (s, nbytes) in kept.keepable_timings().items():
-            name = self.weights.get(weight)
+            name = self.weights.get(weight)  # (one name per weight: summed by weight already)
             if name is not None:
-                seconds[name] = seconds.get(name, 0.0) + s
-                costs[name] = costs.get(name, 0) + nbytes
+                seconds[name], costs[name] = s, nbytes
         kept.timings.clear()  # (it holds the linears' outputs: not until backward)
         self.planner.measured(self.key, seconds, costs, block_bytes)
 

@@ -157,7 +157,7 @@ def forward_done(
     sublayers,
     recomputed: bool,
     saved_bytes: int,
-    activation_bytes: int = 0,
+    activation_bytes: int,
 ):
     """A block's forward under ``policy`` returned: drop what cannot be handed back (all of it
     when the block will not be ``recomputed``), count the call; a ``budget:`` policy's

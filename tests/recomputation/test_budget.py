@@ -322,11 +322,30 @@ def test_a_sublayer_taken_whole_replaces_its_linears_and_a_kept_one_hides_them(
 
 
 def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
+    """a (1 s/B) is taken first: its linear a.w (0.05 s/B) is passed over, and b after it
+    (0.01 s/B) is still taken."""
     planner = budget.Planner("budget:test", 1.0)
-    key = ("Block", ("a",))
-    kind = _gemm_kind(planner, key, ("a",), ("a.w",))
-    _measure(planner, key, {"a": 10.0, "gemm:a.w": 0.5}, {"a": 10, "gemm:a.w": 10})
-    assert kind.chosen == ("a",)
+    key = ("Block", ("a", "b"))
+    kind = _gemm_kind(planner, key, ("a", "b"), ("a.w",))
+    _measure(
+        planner,
+        key,
+        {"a": 10.0, "gemm:a.w": 0.5, "b": 0.1},
+        {"a": 10, "gemm:a.w": 10, "b": 10},
+    )
+    assert kind.chosen == ("a", "b")
+
+
+def test_the_bytes_a_sublayer_gives_back_count_for_later_candidates(fresh_plans):
+    """Within 100 bytes: a.w (10), then a (50) in its place -- 50 taken, not 70 -- so c (45)
+    still fits."""
+    planner = budget.Planner("budget:test", 0.5)
+    key = ("Block", ("a", "c"))
+    kind = _gemm_kind(planner, key, ("a", "c"), ("a.w",))
+    _measure(
+        planner, key, {"gemm:a.w": 1.0, "a": 3.0, "c": 0.5}, {"gemm:a.w": 10, "a": 50, "c": 45}
+    )
+    assert kind.chosen == ("a", "c")
 
 
 class _Chain(paddle.nn.Layer):
@@ -368,6 +387,21 @@ def test_linears_after_a_kept_sublayer_get_their_own_outputs(fresh_plans, mode, 
     counters = stats.snapshot()["policy"]["budget:0.5"]
     assert counters["sublayers_not_recomputed"] == (0 if after_s else STEPS)
     assert counters["gemms_not_recomputed"] == 2 * STEPS
+    if after_s is None:  # kept bytes: s's (as save:s keeps them) and c's and d's outputs
+        nets = []
+
+        def make_kept(nets=nets):
+            nets.append(make())
+            return nets[-1]
+
+        def c_and_d(call, nets=nets):
+            return call.weight is nets[-1].c.weight or call.weight is nets[-1].d.weight
+
+        policy_runs.train(make_kept, mode, "save:s", STEPS, rows=ROWS, d=D)
+        policy_runs.train(make_kept, mode, c_and_d, STEPS, rows=ROWS, d=D)
+        snap = stats.snapshot()["policy"]
+        both = snap["save:s"]["kept_bytes"] + snap["c_and_d"]["kept_bytes"]
+        assert counters["kept_bytes"] == both > snap["save:s"]["kept_bytes"] > 0
 
 
 @pytest.mark.parametrize("op", ["add_", "relu_"])
@@ -452,3 +486,81 @@ def test_layers_of_one_class_with_other_parameters_are_planned_apart(fresh_plans
     assert "gemm:mlp.weight" in plans["_Mixed"]["measured"]
     assert "gemm:mlp.up.weight" in plans["_Mixed#2"]["measured"]
     assert "gemm:mlp.weight" not in plans["_Mixed#2"]["measured"]
+
+
+class _Clock:
+    """``time.perf_counter`` advancing one second per reading: each timed call lasts 1 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+class _Twice(paddle.nn.Layer):
+    """One linear applied twice (a tied weight), then another: no sublayer but the linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(D, D)
+        self.out = paddle.nn.Linear(D, D)
+
+    def forward(self, h):
+        return self.out(paddle.tanh(self.lin(paddle.tanh(self.lin(h)))))
+
+
+def test_a_weight_used_twice_is_measured_as_both_calls(fresh_plans, monkeypatch):
+    """Seconds and bytes of a linear's candidate are summed over the calls with its weight:
+    with a clock that makes each timed call last 1 s, ``lin`` (two calls) measures 2 s and
+    twice its output, ``out`` 1 s and its output."""
+    from paddle_mgrad.autograd import recomputing
+
+    monkeypatch.setattr(recomputing.time, "perf_counter", _Clock())
+    monkeypatch.setattr(budget, "MEASURED_CALLS", 1)
+    policy_runs.train(_Twice, "non_reentrant", "budget:1", 1, rows=ROWS, d=D)
+    measured = stats.snapshot()["plans"]["budget:1"]["_Twice"]["measured"]
+    row = ROWS * D * 4  # one [ROWS, D] fp32 output
+    assert measured["gemm:lin.weight"] == {"seconds": 2.0, "bytes": 2 * row}
+    assert measured["gemm:out.weight"] == {"seconds": 1.0, "bytes": row}
+
+
+class _OwnWeight(paddle.nn.Layer):
+    """A Layer with a parameter of its own and no sublayer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.create_parameter([D, D])
+
+    def forward(self, h):
+        return paddle.tanh(paddle.nn.functional.linear(h, self.w))
+
+
+class _NoParameters(paddle.nn.Layer):
+    """Sublayers without parameters; one of them called with no tensor at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = paddle.nn.Tanh()
+        self.const = _Const()
+
+    def forward(self, h):
+        return self.act(h) * self.const()
+
+
+class _Const(paddle.nn.Layer):
+    def forward(self):
+        return paddle.full([1], 0.5)
+
+
+@pytest.mark.parametrize("make, candidate", [(_OwnWeight, "gemm:w"), (_NoParameters, "act")])
+def test_a_layer_without_sublayers_or_parameters_is_still_planned(fresh_plans, make, candidate):
+    """A block Layer with a parameter but no sublayer (its linear is the candidate), or with
+    sublayers but no parameter (a sublayer called without any tensor is timed too): measured
+    and planned, bit-identical."""
+    ref = policy_runs.train(make, "none", None, STEPS, rows=ROWS, d=D)
+    got = policy_runs.train(make, "non_reentrant", "budget:1", STEPS, rows=ROWS, d=D)
+    assert_identical(got, ref)
+    plan = stats.snapshot()["plans"]["budget:1"][make.__name__]
+    assert candidate in plan["chosen"], plan
