@@ -26,11 +26,12 @@ more), so it is measured, not assumed:
   block's own activation bytes (what it keeps without recompute) are counted too.  A
   candidate's time is its minimum over those calls (the first call of a process pays
   warm-ups), its bytes their mean.
-* **Choice**: candidates in decreasing replay time per byte kept, each taken while the bytes
-  taken stay within ``f`` times the block's activation bytes (one that does not fit is passed
-  over for a smaller one after it).  A candidate that costs no byte is always taken.  A
-  sublayer taken whole replaces the linears inside it that were taken before (their bytes are
-  given back); a linear inside a sublayer already taken is passed over.  From then on the
+* **Choice**: one candidate at a time, the one that adds the most replay time per byte it
+  adds, among those that still fit within ``f`` times the block's activation bytes.  A
+  sublayer taken whole replaces the linears inside it already taken: it adds its time and bytes
+  less theirs (keeping the mlp whole adds its elementwise ops' replay to its linears' outputs
+  for its other activations' bytes), and a linear inside a sublayer taken is passed over.  A
+  candidate that costs no byte is always taken.  From then on the
   kind runs the chosen sublayers as ``save:`` and the chosen linears as ``gemm`` (in a
   tensor-parallel group, the plan of the group's first rank: every rank must replay the same
   collectives); the plan is in ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen,
@@ -202,26 +203,29 @@ class Planner:
     def _choose(self, kind):
         calls = kind.calls
         budget = self.fraction * kind.block_bytes / calls
-        order = sorted(
-            kind.names,
-            key=lambda n: _per_byte(kind.seconds[n] or 0.0, kind.bytes[n] / calls),
-            reverse=True,
-        )
-        chosen, taken = {}, 0.0  # name -> its bytes
-        for name in order:
-            if not kind.seconds[name]:
-                continue  # (never called: nothing to spare)
-            if kind.owner.get(name) in chosen:
-                continue  # a linear of a sublayer kept whole
-            inner = [n for n in chosen if kind.owner.get(n) == name]
-            freed = sum(chosen[n] for n in inner)
-            cost = kind.bytes[name] / calls
-            if taken - freed + cost <= budget:
-                for n in inner:
-                    del chosen[n]
-                chosen[name] = cost
-                taken += cost - freed
-        return tuple(n for n in kind.names if n in chosen)
+        seconds = {n: kind.seconds[n] for n in kind.names if kind.seconds[n]}  # (never called:
+        nbytes = {n: kind.bytes[n] / calls for n in seconds}  # nothing to spare)
+        chosen, taken = set(), 0.0
+        while True:
+            best = None  # (time per byte it adds, name, bytes it adds, linears it replaces)
+            for name in seconds:
+                if name in chosen or kind.owner.get(name) in chosen:
+                    continue  # (taken, or a linear of a sublayer kept whole)
+                inner = [n for n in chosen if kind.owner.get(n) == name]
+                added = nbytes[name] - sum(nbytes[n] for n in inner)
+                if taken + added > budget:
+                    continue
+                gain = _per_byte(seconds[name] - sum(seconds[n] for n in inner), added)
+                if gain <= 0:
+                    continue  # (whole, it spares no more than its linears already do)
+                if best is None or gain > best[0]:
+                    best = (gain, name, added, inner)
+            if best is None:
+                return tuple(n for n in kind.names if n in chosen)
+            _, name, added, inner = best
+            chosen.difference_update(inner)
+            chosen.add(name)
+            taken += added
 
     def _report(self, kind):
         calls = kind.calls

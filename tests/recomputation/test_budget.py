@@ -173,9 +173,9 @@ def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
     assert not kept.wants(x, net.self_attn.q_proj.bias, x)
 
 
-def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS):
+def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS, block_bytes=200):
     for _ in range(calls):
-        planner.measured(key, dict(seconds), dict(costs), 200)
+        planner.measured(key, dict(seconds), dict(costs), block_bytes)
 
 
 def test_calls_that_ran_none_of_the_sublayers_measure_nothing(fresh_plans):
@@ -334,6 +334,44 @@ def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
         {"a": 10, "gemm:a.w": 10, "b": 10},
     )
     assert kind.chosen == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "mlp_seconds, chosen",
+    [
+        # the mlp whole adds 5 s for 9.25 B over its linear (0.54 s/B): the norm (1.25 s/B)
+        # goes first, and then the mlp no longer fits in 25 -- though by its own time per
+        # byte (10 s/B) it ranks above the norm
+        (220.0, ("norm", "gemm:mlp.g")),
+        # whole, it would spare less than its linear already does: never taken
+        (210.0, ("norm", "gemm:mlp.g")),
+    ],
+)
+def test_a_sublayer_is_ranked_by_what_it_adds_over_its_linears_taken(
+    fresh_plans, mlp_seconds, chosen
+):
+    planner = budget.Planner("budget:test", 0.25)
+    key = ("Block", ("mlp", "norm"))
+    kind = _gemm_kind(planner, key, ("mlp", "norm"), ("mlp.g",))
+    _measure(
+        planner,
+        key,
+        {"mlp": mlp_seconds, "gemm:mlp.g": 215.0, "norm": 10.0},
+        {"mlp": 22, "gemm:mlp.g": 12.75, "norm": 8},
+        block_bytes=100,
+    )
+    assert kind.chosen == tuple(n for n in kind.names if n in chosen)
+    planner = budget.Planner("budget:test", 0.3)  # within 30 the mlp (220 s) fits after all
+    kind = _gemm_kind(planner, key, ("mlp", "norm"), ("mlp.g",))
+    _measure(
+        planner,
+        key,
+        {"mlp": mlp_seconds, "gemm:mlp.g": 215.0, "norm": 10.0},
+        {"mlp": 22, "gemm:mlp.g": 12.75, "norm": 8},
+        block_bytes=100,
+    )
+    whole = mlp_seconds > 215.0
+    assert kind.chosen == (("mlp", "norm") if whole else ("norm", "gemm:mlp.g"))
 
 
 def test_the_bytes_a_sublayer_gives_back_count_for_later_candidates(fresh_plans):
