@@ -206,7 +206,7 @@ class Planner:
         seconds = {n: kind.seconds[n] for n in kind.names if kind.seconds[n]}  # (never called:
         nbytes = {n: kind.bytes[n] / calls for n in seconds}  # nothing to spare)
         chosen, taken = set(), 0.0
-        while True:
+        for _ in range(len(seconds)):  # (each round takes one; none is taken twice)
             best = None  # (time per byte it adds, name, bytes it adds, linears it replaces)
             for name in seconds:
                 if name in chosen or kind.owner.get(name) in chosen:
@@ -221,11 +221,12 @@ class Planner:
                 if best is None or gain > best[0]:
                     best = (gain, name, added, inner)
             if best is None:
-                return tuple(n for n in kind.names if n in chosen)
+                break
             _, name, added, inner = best
             chosen.difference_update(inner)
             chosen.add(name)
             taken += added
+        return tuple(n for n in kind.names if n in chosen)
 
     def _report(self, kind):
         calls = kind.calls

@@ -343,8 +343,9 @@ def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
         # goes first, and then the mlp no longer fits in 25 -- though by its own time per
         # byte (10 s/B) it ranks above the norm
         (220.0, ("norm", "gemm:mlp.g")),
-        # whole, it would spare less than its linear already does: never taken
+        # whole, it would spare less than its linear already does, or no more: never taken
         (210.0, ("norm", "gemm:mlp.g")),
+        (215.0, ("norm", "gemm:mlp.g")),
     ],
 )
 def test_a_sublayer_is_ranked_by_what_it_adds_over_its_linears_taken(
@@ -372,6 +373,16 @@ def test_a_sublayer_is_ranked_by_what_it_adds_over_its_linears_taken(
     )
     whole = mlp_seconds > 215.0
     assert kind.chosen == (("mlp", "norm") if whole else ("norm", "gemm:mlp.g"))
+
+
+def test_of_equal_candidates_the_first_is_taken(fresh_plans):
+    """Two candidates that add the same time per byte, room for one: the first by name order
+    (the Layer's own order), on every rank alike."""
+    planner = budget.Planner("budget:test", 0.1)
+    key = ("Block", ("a", "b"))
+    kind = _gemm_kind(planner, key, ("a", "b"), ())
+    _measure(planner, key, {"a": 1.0, "b": 1.0}, {"a": 10, "b": 10}, block_bytes=100)
+    assert kind.chosen == ("a",)
 
 
 def test_the_bytes_a_sublayer_gives_back_count_for_later_candidates(fresh_plans):
