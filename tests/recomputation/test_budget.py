@@ -351,28 +351,24 @@ def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
 def test_a_sublayer_is_ranked_by_what_it_adds_over_its_linears_taken(
     fresh_plans, mlp_seconds, chosen
 ):
-    planner = budget.Planner("budget:test", 0.25)
-    key = ("Block", ("mlp", "norm"))
-    kind = _gemm_kind(planner, key, ("mlp", "norm"), ("mlp.g",))
-    _measure(
-        planner,
-        key,
-        {"mlp": mlp_seconds, "gemm:mlp.g": 215.0, "norm": 10.0},
-        {"mlp": 22, "gemm:mlp.g": 12.75, "norm": 8},
-        block_bytes=100,
-    )
-    assert kind.chosen == tuple(n for n in kind.names if n in chosen)
-    planner = budget.Planner("budget:test", 0.3)  # within 30 the mlp (220 s) fits after all
-    kind = _gemm_kind(planner, key, ("mlp", "norm"), ("mlp.g",))
-    _measure(
-        planner,
-        key,
-        {"mlp": mlp_seconds, "gemm:mlp.g": 215.0, "norm": 10.0},
-        {"mlp": 22, "gemm:mlp.g": 12.75, "norm": 8},
-        block_bytes=100,
-    )
+    def choice(fraction):
+        planner = budget.Planner("budget:test", fraction)
+        key = ("Block", ("mlp", "norm"))
+        kind = _gemm_kind(planner, key, ("mlp", "norm"), ("mlp.g",))
+        _measure(
+            planner,
+            key,
+            {"mlp": mlp_seconds, "gemm:mlp.g": 215.0, "norm": 10.0},
+            {"mlp": 22, "gemm:mlp.g": 12.75, "norm": 8},
+            block_bytes=100,
+        )
+        return kind.names, kind.chosen
+
+    names, got = choice(0.25)
+    assert got == tuple(n for n in names if n in chosen)
+    _, got = choice(0.3)  # within 30 the mlp (220 s) fits after all
     whole = mlp_seconds > 215.0
-    assert kind.chosen == (("mlp", "norm") if whole else ("norm", "gemm:mlp.g"))
+    assert got == (("mlp", "norm") if whole else ("norm", "gemm:mlp.g"))
 
 
 def test_of_equal_candidates_the_first_is_taken(fresh_plans):
