@@ -81,7 +81,17 @@ class _Kind:
     parameter); ``owner``: a ``gemm:`` candidate's sublayer (None: a parameter of the Layer
     itself)."""
 
-    __slots__ = ("label", "names", "owner", "seconds", "bytes", "block_bytes", "calls", "chosen")
+    __slots__ = (
+        "label",
+        "names",
+        "owner",
+        "seconds",
+        "bytes",
+        "block_bytes",
+        "input_bytes",
+        "calls",
+        "chosen",
+    )
 
     def __init__(self, label, names, params=()):
         self.label = label
@@ -90,6 +100,7 @@ class _Kind:
         self.seconds = {n: None for n in self.names}  # min over calls of the per-call sum
         self.bytes = {n: 0 for n in self.names}  # summed over calls
         self.block_bytes = 0  # summed over calls
+        self.input_bytes = 0  # summed over calls
         self.calls = 0
         self.chosen = None  # tuple of names once planned
 
@@ -103,7 +114,7 @@ class _Measurement:
     def __init__(self, planner, key, names, weights):
         self.planner, self.key, self.names, self.weights = planner, key, names, weights
 
-    def done(self, sublayers, kept, block_bytes):
+    def done(self, sublayers, kept, block_bytes, input_bytes=0):
         """The measured call's forward ended: its figures by candidate name."""
         seconds, costs = dict(sublayers.times), dict(sublayers.costs)
         for weight, (s, nbytes) in kept.keepable_timings().items():
@@ -111,7 +122,7 @@ class _Measurement:
             if name is not None:
                 seconds[name], costs[name] = s, nbytes
         kept.timings.clear()  # (it holds the linears' outputs: not until backward)
-        self.planner.measured(self.key, seconds, costs, block_bytes)
+        self.planner.measured(self.key, seconds, costs, block_bytes, input_bytes)
 
 
 def _never(x, weight, y) -> bool:
@@ -130,6 +141,8 @@ class Planner:
         self.fraction = fraction
         self.kinds: dict = {}
         self.lock = threading.Lock()
+        self.forwards = 0  # block calls since the last replay
+        self.live = 0  # the most block calls seen alive at once (at a replay): 0 before one
         # root Layer -> the ids of the weights whose linears its plan keeps
         self._weight_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -139,17 +152,19 @@ class Planner:
         kept, or no Layer found)."""
         roots = block_layers(function, args, kwargs)
         if not roots:
+            with self.lock:
+                self.forwards += 1  # (alive until its backward all the same)
             return None, None
         root = roots[0]
         key = _kind(root)
         children = dict(root.named_children())
         with self.lock:
-            kind = self.kinds.get(key)
-            if kind is None:
+            self.forwards += 1
+            if key not in self.kinds:
                 same = sum(k[0] == key[0] for k in self.kinds)
                 label = key[0] if not same else f"{key[0]}#{same + 1}"
-                kind = self.kinds[key] = _Kind(label, key[1], key[2])
-            chosen = kind.chosen
+                self.kinds[key] = _Kind(label, key[1], key[2])
+        chosen = self.choose(key)
         if chosen is None:
             weights = {id(p): GEMM + name for name, p in root.named_parameters()}
             if not children and not weights:
@@ -174,10 +189,9 @@ class Planner:
                 )
         return ids
 
-    def measured(self, key, seconds: dict, costs: dict, block_bytes: int):
+    def measured(self, key, seconds: dict, costs: dict, block_bytes: int, input_bytes: int = 0):
         """One measured block call is done (its forward): add its figures (seconds and bytes
-        by candidate name), and plan the kind once :data:`MEASURED_CALLS` calls were
-        measured."""
+        by candidate name, the block's activation and input bytes)."""
         with self.lock:
             kind = self.kinds[key]
             if kind.chosen is not None:
@@ -191,18 +205,52 @@ class Planner:
                     kind.seconds[name] = s if best is None else min(best, s)
                 kind.bytes[name] += costs.get(name, 0)
             kind.block_bytes += block_bytes
+            kind.input_bytes += input_bytes
             kind.calls += 1
-            if kind.calls < MEASURED_CALLS:
-                return
+
+    def replayed(self):
+        """A block of this policy was recomputed (in backward): the block calls since the last
+        recomputation were alive at once -- every one holds its arguments and what its plan
+        keeps until its own backward."""
+        with self.lock:
+            if self.forwards:
+                self.live = max(self.live, self.forwards)
+                self.forwards = 0
+
+    def choose(self, key):
+        """The plan of the kind ``key`` (the names it keeps), made now if it is due: measured
+        in :data:`MEASURED_CALLS` calls and a backward seen (which tells how many blocks are
+        alive at once); None while it is measured.  Asked at the start of each call, so that
+        every rank of a tensor-parallel group plans at the same call and agrees there."""
+        with self.lock:
+            kind = self.kinds[key]
+            if kind.chosen is not None or kind.calls < MEASURED_CALLS or not self.live:
+                return kind.chosen
             group = _lockstep_group()
             chosen = self._choose(kind)
             kind.chosen = chosen if group is None else _agreed(kind.names, chosen, group)
             report = self._report(kind)
         stats.set_plan(self.name, kind.label, report)
+        return kind.chosen
+
+    def budget_bytes(self, kind) -> float:
+        """What one call of ``kind`` may keep.  ``f`` bounds the recompute blocks' memory in a
+        step: without recompute ``L`` blocks alive at once hold ``L·(A + I)`` (``A`` a
+        block's activations, ``I`` its inputs that need a gradient); with a plan keeping ``K``
+        of each, ``L·(I + K)`` and, while the first of them is recomputed, its ``A - K`` more.
+        So ``K <= (f·L·(A + I) - L·I - A) / (L - 1)`` (never below 0: ``f`` under what full
+        recompute holds keeps only what costs nothing).  With one block alive at a time no
+        plan changes the peak (the kept part and the replayed rest are there together either
+        way): ``K <= f·A``, the fraction of that block."""
+        calls = kind.calls
+        a, i, n = kind.block_bytes / calls, kind.input_bytes / calls, self.live
+        if n <= 1:
+            return self.fraction * a
+        return max(0.0, (self.fraction * n * (a + i) - n * i - a) / (n - 1))
 
     def _choose(self, kind):
         calls = kind.calls
-        budget = self.fraction * kind.block_bytes / calls
+        budget = self.budget_bytes(kind)
         seconds = {n: kind.seconds[n] for n in kind.names if kind.seconds[n]}  # (never called:
         nbytes = {n: kind.bytes[n] / calls for n in seconds}  # nothing to spare)
         chosen, taken = set(), 0.0
@@ -232,8 +280,11 @@ class Planner:
         calls = kind.calls
         return {
             "chosen": list(kind.chosen),
-            "budget_bytes": int(self.fraction * kind.block_bytes / calls),
+            "budget_bytes": int(self.budget_bytes(kind)),
             "block_bytes": kind.block_bytes // calls,
+            "input_bytes": kind.input_bytes // calls,
+            "live_blocks": self.live,
+            "measured_calls": calls,
             "measured": {
                 n: {"seconds": kind.seconds[n] or 0.0, "bytes": kind.bytes[n] // calls}
                 for n in kind.names

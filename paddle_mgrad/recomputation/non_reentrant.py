@@ -51,7 +51,6 @@ its type); they record the problem and it is raised right after.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 from .. import stats
@@ -71,6 +70,7 @@ from .tensors import (
     check_arguments_unchanged,
     describe,
     detached_view,
+    distinct_bytes,
     fingerprint,
     fingerprint_mismatch,
     function_name,
@@ -202,6 +202,7 @@ class _Frame:
         for good)."""
         measured = self.sublayers is not None and self.sublayers.measure is not None
         activations = self.activation_bytes() if measured else 0
+        inputs = self.input_bytes() if measured else 0
         pending, self.pending = self.pending, None
         changed = self._release_changed_arguments()
         if changed:
@@ -216,6 +217,7 @@ class _Frame:
                 recomputed=not changed,
                 saved_bytes=saved,
                 activation_bytes=activations,
+                input_bytes=inputs,
             )
         if changed:
             holders = self.holders
@@ -226,25 +228,29 @@ class _Frame:
                     holder.value = detached_view(x)
         self.arg_tensors = None  # (the arguments themselves stay in self.args)
 
-    def activation_bytes(self, start: int = 0) -> int:
+    def activation_bytes(self, start: int = 0, outputs=()) -> int:
         """While the forward runs: the bytes of the activations saved since saved tensor
         #``start`` that recomputation will reproduce (what the block keeps without recompute,
-        less the parameters and arguments, kept anyway)."""
-        total = 0
-        for index, x in reversed(self.pending):
-            if index < start:
-                break
-            total += math.prod(x.shape) * x.element_size()
-        return total
+        less the parameters and arguments, kept anyway), with ``outputs`` (a sublayer's, kept
+        with what it saved), each buffer once (:func:`.tensors.distinct_bytes`)."""
+        saved = [x for index, x in self.pending if index >= start]
+        return distinct_bytes(saved + list(outputs))
+
+    def input_bytes(self) -> int:
+        """The bytes of the block's tensor arguments that need a gradient: what full recompute
+        keeps of each block call alive until its backward (the hidden states passed from block
+        to block; a mask or position ids shared by every block are not the block's own)."""
+        return distinct_bytes(t for t in self.arg_tensors if not t.stop_gradient)
 
     def _saved_bytes(self) -> int:
-        """The bytes of the activations kept because a kept sublayer saved them."""
-        total = 0
+        """The bytes kept because of kept sublayers: the activations they saved and their
+        outputs, each buffer once."""
+        saved = []
         for ref in self.holders:
             holder = ref()
             if holder is not None and holder.version is not None:
-                total += math.prod(holder.value.shape) * holder.value.element_size()
-        return total
+                saved.append(holder.value)
+        return distinct_bytes(saved + self.sublayers.held_tensors())
 
     def _release_changed_arguments(self):
         """The ids of the tensor arguments the forward changed in place (none: nothing done).

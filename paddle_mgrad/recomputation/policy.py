@@ -158,12 +158,15 @@ def forward_done(
     recomputed: bool,
     saved_bytes: int,
     activation_bytes: int,
+    input_bytes: int = 0,
 ):
     """A block's forward under ``policy`` returned: drop what cannot be handed back (all of it
     when the block will not be ``recomputed``), count the call; a ``budget:`` policy's
-    measuring call reports what it measured (``activation_bytes``: the block's)."""
+    measuring call reports what it measured (``activation_bytes``, ``input_bytes``: the
+    block's activations and its arguments that need a gradient).  ``saved_bytes``: what the
+    kept sublayers keep (their saved activations and outputs)."""
     if sublayers is not None and sublayers.measure is not None:
-        sublayers.measure.done(sublayers, kept, activation_bytes)
+        sublayers.measure.done(sublayers, kept, activation_bytes, input_bytes)
     if not recomputed:
         if kept is not None:
             kept.entries.clear()
@@ -175,7 +178,7 @@ def forward_done(
         kept_outputs, kept_bytes = kept.kept, kept.kept_bytes
     if sublayers is not None:
         kept_sublayers = sublayers.kept
-        kept_bytes += saved_bytes + sublayers.held_bytes()
+        kept_bytes += saved_bytes
     stats.bump_policy(
         policy.name,
         calls=1,
@@ -194,7 +197,10 @@ def rewind(kept: Optional[KeptOutputs], sublayers):
 
 
 def record_replay(policy: Policy, kept: Optional[KeptOutputs], sublayers):
-    """Count one recomputation of a block under ``policy`` (after it ran)."""
+    """Count one recomputation of a block under ``policy`` (after it ran); a ``budget:``
+    policy learns from it how many blocks were alive at once (:meth:`.budget.Planner.replayed`)."""
+    if policy.planner is not None:
+        policy.planner.replayed()
     stats.bump_policy(
         policy.name,
         replays=1,

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-import math
 import os
 import sys
 import threading
@@ -303,10 +302,8 @@ class Sublayers:
         out, seconds = timed(first, forward, *args, **kwargs)
         name = self.measure.names[id(layer)]
         self.times[name] = self.times.get(name, 0.0) + seconds
-        self.costs[name] = (
-            self.costs.get(name, 0)
-            + frame.activation_bytes(start)
-            + sum(math.prod(t.shape) * t.element_size() for t in iter_tensors(out))
+        self.costs[name] = self.costs.get(name, 0) + frame.activation_bytes(
+            start, iter_tensors(out)
         )
         return out
 
@@ -350,13 +347,9 @@ class Sublayers:
     def kept(self) -> int:
         return sum(r.outputs is not None for r in self.regions)
 
-    def held_bytes(self) -> int:
-        return sum(
-            math.prod(h.tensor.shape) * h.tensor.element_size()
-            for r in self.regions
-            if r.outputs is not None
-            for h in r.held
-        )
+    def held_tensors(self) -> list:
+        """The kept sublayers' tensor outputs."""
+        return [h.tensor for r in self.regions if r.outputs is not None for h in r.held]
 
 
 # -- the wrappers ----------------------------------------------------------------

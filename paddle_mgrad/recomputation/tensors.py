@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._compat import core, is_tensor, paddle
@@ -36,6 +38,22 @@ def iter_tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from iter_tensors(o)
+
+
+def distinct_bytes(tensors) -> int:
+    """The bytes of the buffers ``tensors`` hold, each buffer once: autograd saves one tensor
+    for several ops (a linear's output for the op after it, softmax's output for itself and
+    for the matmul after it) and a reshape's output shares its input's buffer, so a sum over
+    saved tensors counts such a buffer twice or more.  Buffers are told apart by their data
+    pointer (alive at once, no two share one unless they share the buffer); a view that
+    starts inside another's buffer counts on its own."""
+    sizes: dict = {}
+    for t in tensors:
+        nbytes = math.prod(t.shape) * t.element_size()
+        ptr = t.data_ptr() if nbytes else id(t)
+        if nbytes > sizes.get(ptr, -1):
+            sizes[ptr] = nbytes
+    return sum(sizes.values())
 
 
 def first_changed(tensors, versions):

@@ -102,7 +102,7 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
             {"a": 100, "b": 10, "c": 50, "free": 0},
             200,
         )
-    assert planner.kinds[key].chosen == chosen
+    assert _plan(planner, key) == planner.kinds[key].chosen == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert report["chosen"] == list(chosen)
     assert report["measured"]["a"] == {"seconds": 1.0, "bytes": 100}
@@ -129,7 +129,7 @@ def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
             {"a": 10 + last, "b": 20, "c": 25},
             100 + last,
         )
-    assert planner.kinds[key].chosen == ("a", "c")
+    assert _plan(planner, key) == ("a", "c")
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10}
     assert type(report["measured"]["a"]["bytes"]) is int
@@ -146,7 +146,7 @@ def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates
     planner.kinds[key] = budget._Kind("Block", names)
     for call in range(budget.MEASURED_CALLS):
         planner.measured(key, {"one": 1.0, "free": 1.0}, {"one": int(call == 0)}, 0)
-    assert planner.kinds[key].chosen == ("free",)
+    assert _plan(planner, key) == ("free",)
 
 
 def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
@@ -176,6 +176,65 @@ def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
 def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS, block_bytes=200):
     for _ in range(calls):
         planner.measured(key, dict(seconds), dict(costs), block_bytes)
+    _plan(planner, key)
+
+
+def _plan(planner, key, live=1):
+    """What a backward tells the planner (``live`` block calls were alive at once), then the
+    start of the kind's next call: its plan, or None while it is measured."""
+    planner.forwards = live
+    planner.replayed()
+    return planner.choose(key)
+
+
+@pytest.mark.parametrize(
+    "fraction, live, budget_bytes, chosen",
+    [
+        (0.5, 4, 26, ("a",)),  # (0.5·4·110 - 4·10 - 100) / 3 = 26.7
+        (0.5, 1, 50, ("a", "b")),  # one block alive: the fraction of it
+        (0.3, 4, 0, ()),  # under what full recompute holds (140 of 440): nothing
+        (1.0, 4, 100, ("a", "b", "c")),
+        (0.7, 2, 34, ("a",)),  # (0.7·2·110 - 2·10 - 100) / 1
+    ],
+)
+def test_the_budget_bounds_the_memory_of_all_blocks_alive_at_once(
+    fresh_plans, fraction, live, budget_bytes, chosen
+):
+    """Blocks of 100 activation bytes and 10 input bytes, ``live`` of them alive at once: the
+    plan keeps per block what keeps the blocks' memory, one of them recomputing, within the
+    fraction of theirs without recompute (110 each)."""
+    names = ("a", "b", "c")
+    planner = budget.Planner("budget:test", fraction)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind("Block", names)
+    for _ in range(budget.MEASURED_CALLS):
+        planner.measured(key, {"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 20, "b": 30, "c": 50}, 100, 10)
+    assert _plan(planner, key, live) == chosen
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert (report["budget_bytes"], report["live_blocks"]) == (budget_bytes, live)
+    assert (report["block_bytes"], report["input_bytes"]) == (100, 10)
+    assert report["measured_calls"] == budget.MEASURED_CALLS
+
+
+def test_blocks_alive_at_once_are_the_most_calls_between_two_replays(fresh_plans):
+    """Four forwards then their four replays, then two forwards and a replay (a pipeline's
+    steady state): four alive at once, not the last two; a replay with no forward since it
+    changes nothing; before any replay nothing is planned."""
+    names = ("a",)
+    planner = budget.Planner("budget:test", 1.0)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind("Block", names)
+    for _ in range(budget.MEASURED_CALLS):
+        planner.measured(key, {"a": 1.0}, {"a": 10}, 100)
+    assert planner.choose(key) is None  # (no backward seen: how many alive is unknown)
+    planner.forwards = 4
+    for _ in range(4):
+        planner.replayed()
+    planner.forwards = 2
+    planner.replayed()
+    assert (planner.live, planner.forwards) == (4, 0)
+    assert planner.choose(key) == ("a",)
+    assert stats.snapshot()["plans"]["budget:test"]["Block"]["live_blocks"] == 4
 
 
 def test_calls_that_ran_none_of_the_sublayers_measure_nothing(fresh_plans):
@@ -564,7 +623,7 @@ def test_a_weight_used_twice_is_measured_as_both_calls(fresh_plans, monkeypatch)
 
     monkeypatch.setattr(recomputing.time, "perf_counter", _Clock())
     monkeypatch.setattr(budget, "MEASURED_CALLS", 1)
-    policy_runs.train(_Twice, "non_reentrant", "budget:1", 1, rows=ROWS, d=D)
+    policy_runs.train(_Twice, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)  # (planned in 2)
     measured = stats.snapshot()["plans"]["budget:1"]["_Twice"]["measured"]
     row = ROWS * D * 4  # one [ROWS, D] fp32 output
     assert measured["gemm:lin.weight"] == {"seconds": 2.0, "bytes": 2 * row}
@@ -609,3 +668,66 @@ def test_a_layer_without_sublayers_or_parameters_is_still_planned(fresh_plans, m
     assert_identical(got, ref)
     plan = stats.snapshot()["plans"]["budget:1"][make.__name__]
     assert candidate in plan["chosen"], plan
+
+
+class _Stack(paddle.nn.Layer):
+    """Three decoder layers, each a recompute block of its own while ``recompute`` is set (as
+    a model's layers are): three blocks alive at once until backward, under the policy of
+    ``PADDLE_MGRAD_RECOMPUTE_POLICY``."""
+
+    def __init__(self, recompute):
+        super().__init__()
+        self.layers = paddle.nn.LayerList([Decoder() for _ in range(3)])
+        self.recompute = recompute
+
+    def forward(self, h):
+        for layer in self.layers:
+            if self.recompute:
+                h = paddle_mgrad.recompute(custom_forward(layer), h, use_reentrant=False)
+            else:
+                h = layer(h)
+        return h
+
+
+def test_a_step_of_several_blocks_is_planned_for_all_of_them_alive(fresh_plans, monkeypatch):
+    """Three blocks per step: the first step measures all three (no backward seen before its
+    end), the plan is made at the second step's first call for three blocks alive at once,
+    and every call after runs it -- bit-identical to no recompute."""
+    steps = 3
+    ref = policy_runs.train(lambda: _Stack(False), "none", None, steps, rows=ROWS, d=D)
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "budget:0.9")
+    got = policy_runs.train(lambda: _Stack(True), "none", None, steps, rows=ROWS, d=D)
+    assert_identical(got, ref)
+    plan = stats.snapshot()["plans"]["budget:0.9"]["Decoder"]
+    assert (plan["live_blocks"], plan["measured_calls"]) == (3, 3), plan
+    assert plan["input_bytes"] == ROWS * D * 4  # (the hidden state each block is handed)
+    assert plan["chosen"] and 0 < plan["budget_bytes"] < 0.9 * plan["block_bytes"], plan
+    planned = 3 * (steps - 1)
+    gemms = sum(n.startswith("gemm:") for n in plan["chosen"])  # (one linear per weight)
+    counters = stats.snapshot()["policy"]["budget:0.9"]
+    assert counters["calls"] == counters["replays"] == 3 * steps
+    assert counters["gemms_not_recomputed"] == planned * gemms
+    assert counters["sublayers_not_recomputed"] == planned * (len(plan["chosen"]) - gemms)
+
+
+class _Shared(paddle.nn.Layer):
+    """A block whose one activation is saved three times: by tanh (its output) and by the
+    multiply (both operands)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = paddle.nn.Linear(D, D)
+
+    def forward(self, h):
+        y = paddle.tanh(self.lin(h))
+        return y * y
+
+
+def test_a_buffer_saved_by_several_ops_is_counted_once(fresh_plans, monkeypatch):
+    """The block's activation bytes are those of the buffers its ops save, each once: here
+    tanh's output, saved three times (the linear saves the block's argument and its weight,
+    kept anyway)."""
+    monkeypatch.setattr(budget, "MEASURED_CALLS", 1)
+    policy_runs.train(_Shared, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)
+    plan = stats.snapshot()["plans"]["budget:1"]["_Shared"]
+    assert plan["block_bytes"] == ROWS * D * 4, plan
