@@ -124,8 +124,8 @@ def parse_recompute_policy(text: str, what: str = "the policy") -> str:
             fraction = -1.0
         if not 0.0 <= fraction <= 1.0:  # (nan fails too)
             raise ValueError(
-                f"{what}: budget: takes a fraction from 0 to 1 of the bytes a "
-                "block's activations take without recompute (budget:0.5)"
+                f"{what}: budget: takes a fraction from 0 to 1 of the bytes the "
+                "recompute blocks hold without recompute (budget:0.5)"
             )
         return f"budget:{fraction:g}"
     if text[:5].lower() == "save:":
@@ -263,7 +263,8 @@ KNOBS: Tuple[Knob, ...] = (
         "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
         "whose class name or attribute path matches (a glob: save:*MLP), budget:<fraction> "
         "chooses sublayers and linear outputs by replay time per byte measured in the first "
-        "calls, within that fraction of the bytes of the block's activations",
+        "calls, so that the blocks alive at once hold that fraction of what they hold "
+        "without recompute",
     ),
     Knob(
         "PADDLE_MGRAD_REPORT",

@@ -75,7 +75,7 @@ class MgradArguments:
             "save:<pattern>[,<pattern>...] (sublayers whose class name or "
             "attribute path matches, e.g. save:self_attn, are not recomputed) or "
             "budget:<fraction> (the sublayers with the most replay time per byte, measured, "
-            "within that fraction of the bytes no recompute keeps). "
+            "so that the blocks hold that fraction of the bytes they hold without recompute). "
             "Default: $PADDLE_MGRAD_RECOMPUTE_POLICY, else full."
         },
     )
