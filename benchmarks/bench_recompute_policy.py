@@ -2,7 +2,7 @@
 under no recompute, full recompute and each policy given, interleaved in one process.
 
     python benchmarks/bench_recompute_policy.py [--model small|wide] [--rounds 6] [--steps 3]
-        [--policies gemm save:self_attn save:mlp budget:0.5]
+        [--policies gemm save:self_attn save:mlp budget:0.5] [--plot time-memory.png]
 
 paddle_mgrad on (``enable(recompute=True, fused_linear=True)``), fp32 master gradients through
 ``MixPrecisionLayer`` kept across steps, recompute as PaddleNLP runs it (``recompute_granularity
@@ -11,7 +11,11 @@ full``, ``recompute_use_reentrant False``: Paddle's ``recompute``, ours), the po
 rotating order; a mode's figure is its minimum over rounds of the median step in the round
 (these machines are noisy: the minimum is the least disturbed).  Memory: the peak of Paddle's
 host allocator during a step above what was allocated before it (Paddle 3.x; on 2.6 the column
-says n/a).  Needs PaddleNLP (``pip install .[nlp]``).  Name the CPU with every figure.
+says n/a).  Per mode also: the straight line between none and full at the mode's peak (what
+trading memory for time uniformly would cost), how much less than the line the mode pays for
+recompute (``(line - time) / (line - 1)``), and whether it is on the Pareto front (no other mode
+both faster and lighter); ``--plot`` draws time against peak (matplotlib).  Needs PaddleNLP
+(``pip install .[nlp]``).  Name the CPU with every figure.
 
 Models (4 decoder layers, seq 512): small -- hidden 256, ffn 688, 8 heads, batch 2; wide --
 hidden 1024, ffn 2752, 16 heads, batch 1.
@@ -47,6 +51,7 @@ def main():
         default=list(POLICIES),
         help="PADDLE_MGRAD_RECOMPUTE_POLICY values to compare with none and full",
     )
+    ap.add_argument("--plot", help="a PNG of time against peak memory (needs matplotlib)")
     args = ap.parse_args()
     modes = ("none", "full", *args.policies)
 
@@ -127,17 +132,26 @@ def main():
         f"of {args.steps} steps"
     )
     base_t, base_p = min(times["none"]), max(peaks["none"]) if mem else None
+    rel = {m: (min(times[m]) / base_t, max(peaks[m]) / base_p if mem else None) for m in modes}
     width = max(len(m) for m in modes)
     print(
         f"{'mode':{width}s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} {'peak/none':>10s}"
+        f" {'line':>6s} {'below line':>10s} pareto"
     )
     for mode in modes:
-        t = min(times[mode])
-        p = max(peaks[mode]) if mem else None
-        print(
-            f"{mode:{width}s} {t * 1e3:9.1f} {t / base_t:10.3f} "
-            + (f"{p / 2**20:9.1f} {p / base_p:10.3f}" if mem else f"{'n/a':>9s} {'n/a':>10s}")
-        )
+        t, p = rel[mode]
+        cells = f"{'n/a':>9s} {'n/a':>10s}"
+        if mem:
+            cells = f"{max(peaks[mode]) / 2**20:9.1f} {p:10.3f}"
+            line = _line(rel["full"], p)
+            if mode not in ("none", "full") and line > 1:
+                cells += f" {line:6.3f} {(line - t) / (line - 1):10.0%}"
+            else:
+                cells += f" {'':6s} {'':10s}"
+            cells += "  *" if _pareto(rel, mode) else ""
+        print(f"{mode:{width}s} {min(times[mode]) * 1e3:9.1f} {t:10.3f} " + cells)
+    if args.plot and mem:
+        _plot(args.plot, rel, f"llama {args.model}, {cpu_name()}, Paddle {paddle.__version__}")
     same = all(losses[m] == losses["none"] for m in modes)
     print(f"losses of the last round equal in all modes: {same}")
     for name in args.policies:
@@ -151,7 +165,9 @@ def main():
         for kind, plan in stats.snapshot()["plans"].get(name, {}).items():
             print(
                 f"    plan for {kind}: keep {plan['chosen']} within "
-                f"{plan['budget_bytes'] / 2**20:.1f} of {plan['block_bytes'] / 2**20:.1f} MiB; "
+                f"{plan['budget_bytes'] / 2**20:.1f} MiB per call (activations "
+                f"{plan['block_bytes'] / 2**20:.1f} MiB, inputs {plan['input_bytes'] / 2**20:.1f}"
+                f" MiB, {plan['live_blocks']} blocks alive at once); "
                 "measured ms / MiB: "
                 + ", ".join(
                     f"{n} {m['seconds'] * 1e3:.2f} / {m['bytes'] / 2**20:.2f}"
@@ -159,6 +175,41 @@ def main():
                 )
             )
     return 0 if same else 1
+
+
+def _line(full, peak):
+    """The time on the straight line from none (1, 1) to full at ``peak`` (both ÷ none)."""
+    full_t, full_p = full
+    return 1 + (full_t - 1) * (1 - peak) / (1 - full_p)
+
+
+def _pareto(rel, mode):
+    """Whether no other mode is at least as fast and as light, and better in one."""
+    t, p = rel[mode]
+    return not any(
+        (ot <= t and op <= p) and (ot < t or op < p) for m, (ot, op) in rel.items() if m != mode
+    )
+
+
+def _plot(path, rel, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    full_t, full_p = rel["full"]
+    ax.plot([full_p, 1], [full_t, 1], "--", color="grey", label="none–full line")
+    for mode, (t, p) in rel.items():
+        ax.plot(p, t, "o" if _pareto(rel, mode) else "x", color="black")
+        ax.annotate(mode, (p, t), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("peak host memory of a step ÷ no recompute")
+    ax.set_ylabel("step time ÷ no recompute")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path} (o: on the Pareto front)")
 
 
 if __name__ == "__main__":

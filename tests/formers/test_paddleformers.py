@@ -190,7 +190,9 @@ def test_trainer_every_flag_with_paddle_mgrad_matches_plain(tmp_path, plain_run)
     assert "recompute" in a["installed"] and "linear" in a["installed"]
 
 
-@pytest.mark.parametrize("policy", ["gemm", "budget:0.5"])
+# (budget: 2 decoder layers per micro-step hold about half of no recompute's bytes under full
+# recompute already; 0.75 leaves room to keep)
+@pytest.mark.parametrize("policy", ["gemm", "budget:0.75"])
 def test_trainer_under_a_recompute_policy_matches_plain(tmp_path, plain_run, policy):
     """Every flag and ``PADDLE_MGRAD_RECOMPUTE_POLICY`` in the environment, nothing else
     changed: PaddleFormers' reentrant calls run on the non-reentrant engine (a policy needs

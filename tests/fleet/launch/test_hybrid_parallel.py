@@ -206,7 +206,7 @@ def test_overlap_linears_under_the_gemm_policy(config, reference, tmp_path, monk
         assert lin[backward] == COLUMN_LINEARS * LAYERS * MICRO, (where, lin)
 
 
-BUDGET = "budget:0.32"
+BUDGET = "budget:0.7"
 
 
 @pytest.mark.parametrize("config", ["tp2", "tp2_sp"])
@@ -227,7 +227,7 @@ def test_budget_plan_is_one_per_tensor_parallel_group(config, reference, tmp_pat
     )
     plans = [r["plans"][BUDGET]["LlamaDecoderLayer"] for r in results]
     assert plans[0]["chosen"] == plans[1]["chosen"], plans
-    assert plans[0]["chosen"], plans  # (something fits 0.32 of a decoder layer's bytes)
+    assert plans[0]["chosen"], plans  # (something fits: 2 layers hold about half under full)
     for r, plan in zip(results, plans):
         where = f"{config} {BUDGET} rank {r['rank']}"
         _assert_matches(r, where)

@@ -232,13 +232,15 @@ def test_llm_script_two_ranks_match_one_process(config, mode, reference, tmp_pat
         check_rank(config, kind, mode, a, where)
 
 
-@pytest.mark.parametrize("policy", ["gemm", "save:*Attention", "budget:0.5"])
+# (budget: 2 decoder layers per micro-step hold about half of no recompute's bytes under full
+# recompute already; 0.75 leaves room to keep)
+@pytest.mark.parametrize("policy", ["gemm", "save:*Attention", "budget:0.75"])
 @pytest.mark.parametrize("config", ["tp2_async", "pp2_qwen_hybrid"])
 def test_llm_script_policy(config, policy, reference, tmp_path):
     """``PADDLE_MGRAD_RECOMPUTE_POLICY`` set in the environment, nothing else changed:
     ``gemm`` keeps the linears' outputs from the forward (RowParallelLinear's all-reduced in
     place, so recomputed), ``save:*Attention`` each decoder layer's attention whole (its
-    RowParallelLinear all-reduce included), ``budget:0.5`` what its plan chooses (measured,
+    RowParallelLinear all-reduce included), ``budget:0.75`` what its plan chooses (measured,
     agreed in the tensor-parallel group; under the pipeline, per stage); fleet's recompute and
     recompute_hybrid both under it; loss for loss as the one plain process, and GEMMs or
     sublayers spared on every rank."""
