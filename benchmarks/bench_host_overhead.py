@@ -1,6 +1,7 @@
 """Host cost of paddle_mgrad's fused linear and recompute vs Paddle's own path (one process).
 
     python benchmarks/bench_host_overhead.py [--rounds 15 --steps 40 --layers 8 --width 64 --rows 8]
+        [--policies gemm budget:0.5]
 
 A model small enough that the GEMMs are negligible -- ``--layers`` blocks of
 ``nn.Linear(width, width)`` + ReLU on a ``rows``-row batch under ``MixPrecisionLayer`` (fp32
@@ -13,7 +14,11 @@ would; after ``paddle_mgrad.enable(recompute=True)`` the name runs ours).  Three
 
 * ``paddle``: ``paddle_mgrad.disable()`` -- Paddle's own linear and recompute, the baseline;
 * ``fused linear``: ``enable(recompute=True, fused_linear=True)``;
-* ``recompute only``: ``enable(recompute=True, fused_linear=False)``.
+* ``recompute only``: ``enable(recompute=True, fused_linear=False)``;
+* with ``--policies``, one row per recompute policy: as ``fused linear``, with
+  ``PADDLE_MGRAD_RECOMPUTE_POLICY`` set to it (recompute columns only), its ratio to the
+  ``fused linear`` row (full recompute) beside the one to Paddle's: what the policy's bookkeeping
+  costs the host where the GEMMs it spares cost nearly nothing.
 
 All nine cells run in ONE process, interleaved round by round (each round switches with
 ``enable()``/``disable()``), so machine noise hits them alike.  Every step is timed on its own
@@ -57,6 +62,8 @@ ROWS = {
     "recompute": dict(recompute=True, fused_linear=False),
 }
 LABEL = {"paddle": "paddle (baseline)", "fused": "fused linear", "recompute": "recompute only"}
+POLICY_ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
+POLICY_ROW = "policy:"  # a row's key: POLICY_ROW + the policy (fused linear, that policy)
 
 
 class Block(paddle.nn.Layer):
@@ -78,6 +85,11 @@ def build(args):
 
 
 def switch(row):
+    """Switch to ``row``'s configuration (a policy row: the fused linear, the policy set)."""
+    os.environ.pop(POLICY_ENV, None)
+    if row.startswith(POLICY_ROW):
+        os.environ[POLICY_ENV] = row[len(POLICY_ROW) :]
+        row = "fused"
     if ROWS[row] is None:
         paddle_mgrad.disable()
     else:
@@ -171,7 +183,8 @@ def run_cell(blocks, x0, row, rmode, steps):
     before = stats.snapshot()["linear"]["into_main_grad"]
     times = time_steps(step, steps)
     got = stats.snapshot()["linear"]["into_main_grad"] - before
-    want = 2 * len(blocks) * steps if row == "fused" else 0
+    os.environ.pop(POLICY_ENV, None)
+    want = 2 * len(blocks) * steps if row == "fused" or row.startswith(POLICY_ROW) else 0
     if got != want:
         raise SystemExit(
             f"{row}/{rmode}: into_main_grad grew by {got}, expected {want} "
@@ -199,6 +212,7 @@ def main():
     add_arguments(ap, rounds=15)
     ap.add_argument("--profile", default=None, help="ROW:RECOMPUTE, e.g. fused:none")
     ap.add_argument("--split", action="store_true", help="forward and backward apart")
+    ap.add_argument("--policies", nargs="*", default=[], help="recompute policies, a row each")
     args = ap.parse_args()
     blocks, model, x0 = build(args)
     if args.split:
@@ -221,11 +235,13 @@ def main():
         paddle_mgrad.disable()
         return
 
-    samples = {(r, m): [] for r in ROWS for m in RECOMPUTE}
+    rows = [*ROWS, *(POLICY_ROW + p for p in args.policies)]
+    cells = [(r, m) for m in RECOMPUTE for r in rows]
+    cells = [(r, m) for r, m in cells if not (r.startswith(POLICY_ROW) and m == "none")]
+    samples = {c: [] for c in cells}
     for _ in range(args.rounds):
-        for m in RECOMPUTE:
-            for r in ROWS:
-                samples[r, m] += run_cell(blocks, x0, r, m, args.steps)
+        for r, m in cells:
+            samples[r, m] += run_cell(blocks, x0, r, m, args.steps)
     paddle_mgrad.disable()
     p10 = {c: percentile(v, 0.1) for c, v in samples.items()}
     p50 = {c: percentile(v, 0.5) for c, v in samples.items()}
@@ -238,21 +254,29 @@ def main():
         f"verified (into_main_grad)"
     )
     print(f"{'':22s}" + "".join(f"{m:>28s}" for m in RECOMPUTE))
-    for r in ROWS:
+    for r in rows:
         cells = []
         for m in RECOMPUTE:
+            if (r, m) not in p10:
+                cells.append("-")
+                continue
             us = p10[r, m] * 1e6
-            if r == "paddle":
+            if r.startswith(POLICY_ROW):
+                cells.append(
+                    f"{us:9.0f} us {p10[r, m] / p10['paddle', m]:5.3f}x "
+                    f"full {p10[r, m] / p10['fused', m]:5.3f}x"
+                )
+            elif r == "paddle":
                 cells.append(f"{us:9.0f} us [{p50[r, m] * 1e6:5.0f}]")
             else:
                 cells.append(
                     f"{us:9.0f} us {p10[r, m] / p10['paddle', m]:5.3f}x "
                     f"[{p50[r, m] / p50['paddle', m]:5.3f}x]"
                 )
-        print(f"{LABEL[r]:22s}" + "".join(f"{c:>28s}" for c in cells))
+        print(f"{LABEL.get(r, r):22s}" + "".join(f"{c:>28s}" for c in cells))
     print(
         "ratios: ours / Paddle's own in the same column at the 10th percentile [at the median] "
-        "(< 1: ours costs the host less)"
+        "(< 1: ours costs the host less); a policy row: also / the fused linear row (full)"
     )
 
 
