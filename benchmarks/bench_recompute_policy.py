@@ -2,20 +2,23 @@
 under no recompute, full recompute and each policy given, interleaved in one process.
 
     python benchmarks/bench_recompute_policy.py [--model small|wide] [--rounds 6] [--steps 3]
-        [--policies gemm save:self_attn save:mlp budget:0.5] [--plot time-memory.png]
+        [--policies gemm save:self_attn save:mlp budget:0.5] [--granularities full_attn core_attn]
+        [--plot time-memory.png]
 
 paddle_mgrad on (``enable(recompute=True, fused_linear=True)``), fp32 master gradients through
 ``MixPrecisionLayer`` kept across steps, recompute as PaddleNLP runs it (``recompute_granularity
 full``, ``recompute_use_reentrant False``: Paddle's ``recompute``, ours), the policy switched by
-``PADDLE_MGRAD_RECOMPUTE_POLICY`` alone (no model edits).  Each round runs every mode once, in a
-rotating order; a mode's figure is its minimum over rounds of the median step in the round
-(these machines are noisy: the minimum is the least disturbed).  Memory: the peak of Paddle's
-host allocator during a step above what was allocated before it (Paddle 3.x; on 2.6 the column
-says n/a).  Per mode also: the straight line between none and full at the mode's peak (what
-trading memory for time uniformly would cost), how much less than the line the mode pays for
-recompute (``(line - time) / (line - 1)``), and whether it is on the Pareto front (no other mode
-both faster and lighter); ``--plot`` draws time against peak (matplotlib).  Needs PaddleNLP
-(``pip install .[nlp]``).  Name the CPU with every figure.
+``PADDLE_MGRAD_RECOMPUTE_POLICY`` alone (no model edits). ``nlp:<granularity>`` modes are
+PaddleNLP's own ``recompute_granularity`` (``full_attn``: the attention sublayer recomputed,
+``core_attn``: only the attention's core), for comparison (paddle_mgrad on, policy full). Each
+round runs every mode once, in a rotating order; a mode's figure is its minimum over rounds of
+the median step in the round (these machines are noisy: the minimum is the least disturbed).
+Memory: the peak of Paddle's host allocator during a step above what was allocated before it
+(Paddle 3.x; on 2.6 the column says n/a). Per mode also: the straight line between none and full
+at the mode's peak (what trading memory for time uniformly would cost), how much less than the
+line the mode pays for recompute (``(line - time) / (line - 1)``), and whether it is on the
+Pareto front (no other mode both faster and lighter); ``--plot`` draws time against peak
+(matplotlib). Needs PaddleNLP (``pip install .[nlp]``). Name the CPU with every figure.
 
 Models (4 decoder layers, seq 512): small -- hidden 256, ffn 688, 8 heads, batch 2; wide --
 hidden 1024, ffn 2752, 16 heads, batch 1.
@@ -36,6 +39,7 @@ MODELS = {
 }
 POLICIES = ("gemm", "save:self_attn", "save:mlp", "budget:0.5")
 ENV = "PADDLE_MGRAD_RECOMPUTE_POLICY"
+NLP = "nlp:"  # a mode's prefix: PaddleNLP's own recompute_granularity
 
 
 def main():
@@ -51,9 +55,15 @@ def main():
         default=list(POLICIES),
         help="PADDLE_MGRAD_RECOMPUTE_POLICY values to compare with none and full",
     )
+    ap.add_argument(
+        "--granularities",
+        nargs="*",
+        default=["full_attn", "core_attn"],
+        help="PaddleNLP recompute_granularity values to compare (modes nlp:<value>)",
+    )
     ap.add_argument("--plot", help="a PNG of time against peak memory (needs matplotlib)")
     args = ap.parse_args()
-    modes = ("none", "full", *args.policies)
+    modes = ("none", "full", *(NLP + g for g in args.granularities), *args.policies)
 
     import paddle
     from paddle.base import core
@@ -102,8 +112,13 @@ def main():
         return seconds, peak, float(loss)
 
     def run(mode):
-        model.llama.enable_recompute = mode != "none"
-        if mode != "none":
+        granularity = mode[len(NLP) :] if mode.startswith(NLP) else "full"
+        for layer in model.sublayers(include_self=True):  # (the model, its layers, attention)
+            if hasattr(layer, "recompute_granularity"):
+                layer.recompute_granularity = granularity
+            if hasattr(layer, "enable_recompute"):
+                layer.enable_recompute = mode != "none"
+        if mode not in ("none", "full") and not mode.startswith(NLP):
             os.environ[ENV] = mode
         try:
             return [step() for _ in range(args.steps)]

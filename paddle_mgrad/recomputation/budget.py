@@ -32,15 +32,21 @@ more), so it is measured, not assumed:
   layers times its micro-batches in flight).  A
   candidate's time is its minimum over those calls (the first call of a process pays
   warm-ups), its bytes their mean.
-* **Budget**: the blocks hold ``L·(A + I)`` without recompute; with ``K`` kept of each,
-  ``L·(I + K)`` and, while the first is recomputed, its ``A - K``.  So each call may keep
-  ``K = (f·L·(A + I) - L·I - A) / (L - 1)`` (:meth:`Planner.budget_bytes`; ``f·A`` when one
-  block is alive at a time).  Below what full recompute holds (``f·L·(A + I) < L·I + A``: two
-  layers hold about half) nothing but what costs no byte is kept.  Memory outside the blocks
+* **Budget**: the blocks hold ``L·(A + I)`` without recompute, ``L·I + A`` under full
+  recompute (every block's input, and the activations of the one being recomputed).  A plan
+  keeping ``K`` of each block adds ``(L - 1)·K`` for the other blocks alive, and ``E`` for the
+  one being recomputed: what it keeps that backward would not hold anyway (a kept linear
+  output that no op saves -- the attention saves the rotated q, not q; the replay saves what
+  it computes from it; ``extra_bytes`` per candidate: its outputs whose buffers are not among
+  the block's saved activations).  The plan may add ``f·L·(A + I) - L·I - A``
+  (:meth:`Planner.budget_bytes`, :meth:`Planner.costs`); with one block alive at a time, whose
+  peak no plan changes, ``f·A`` of its bytes.  Below what full recompute holds
+  (``f·L·(A + I) < L·I + A``: two layers hold about half) nothing but what costs no byte is
+  kept.  Memory outside the blocks
   (embeddings, logits, the loss, gradients) is no policy's: a step's peak is that fraction of
   no recompute's only where the blocks dominate it.
 * **Choice**: one candidate at a time, the one that adds the most replay time per byte it
-  adds, among those that still fit within the budget.  A
+  adds (bytes as the budget counts them), among those that still fit within the budget.  A
   sublayer taken whole replaces the linears inside it already taken: it adds its time and bytes
   less theirs (keeping the mlp whole adds its elementwise ops' replay to its linears' outputs
   for its other activations' bytes), and a linear inside a sublayer taken is passed over.  A
@@ -64,6 +70,7 @@ import weakref
 from .. import stats
 from ..autograd.recomputing import KeptOutputs
 from .saved_sublayers import Sublayers, block_layers
+from .tensors import distinct_bytes
 
 __all__ = ["MEASURED_CALLS", "Planner"]
 
@@ -101,6 +108,7 @@ class _Kind:
         "owner",
         "seconds",
         "bytes",
+        "extra",
         "block_bytes",
         "input_bytes",
         "calls",
@@ -113,6 +121,7 @@ class _Kind:
         self.owner = {GEMM + p: p.split(".")[0] if "." in p else None for p in params}
         self.seconds = {n: None for n in self.names}  # min over calls of the per-call sum
         self.bytes = {n: 0 for n in self.names}  # summed over calls
+        self.extra = {n: 0 for n in self.names}  # of those, not saved for backward anyway
         self.block_bytes = 0  # summed over calls
         self.input_bytes = 0  # summed over calls
         self.calls = 0
@@ -128,15 +137,20 @@ class _Measurement:
     def __init__(self, planner, key, names, weights):
         self.planner, self.key, self.names, self.weights = planner, key, names, weights
 
-    def done(self, sublayers, kept, block_bytes, input_bytes=0):
-        """The measured call's forward ended: its figures by candidate name."""
+    def done(self, sublayers, kept, block_bytes, input_bytes=0, saved_ptrs=frozenset()):
+        """The measured call's forward ended: its figures by candidate name (``saved_ptrs``:
+        the data pointers of the block's saved activations, to tell which kept outputs
+        backward holds anyway)."""
         seconds, costs = dict(sublayers.times), dict(sublayers.costs)
-        for weight, (s, nbytes) in kept.keepable_timings().items():
+        extras = {n: _unsaved_bytes(ts, saved_ptrs) for n, ts in sublayers.outputs.items()}
+        sublayers.outputs.clear()  # (not until backward)
+        for weight, (s, nbytes, outputs) in kept.keepable_timings().items():
             name = self.weights.get(weight)  # (one name per weight: summed by weight already)
             if name is not None:
                 seconds[name], costs[name] = s, nbytes
+                extras[name] = _unsaved_bytes(outputs, saved_ptrs)
         kept.timings.clear()  # (it holds the linears' outputs: not until backward)
-        self.planner.measured(self.key, seconds, costs, block_bytes, input_bytes)
+        self.planner.measured(self.key, seconds, costs, block_bytes, input_bytes, extras)
 
 
 def _never(x, weight, y) -> bool:
@@ -203,9 +217,18 @@ class Planner:
                 )
         return ids
 
-    def measured(self, key, seconds: dict, costs: dict, block_bytes: int, input_bytes: int = 0):
-        """One measured block call is done (its forward): add its figures (seconds and bytes
-        by candidate name, the block's activation and input bytes)."""
+    def measured(
+        self,
+        key,
+        seconds: dict,
+        costs: dict,
+        block_bytes: int,
+        input_bytes: int = 0,
+        extras: dict = None,
+    ):
+        """One measured block call is done (its forward): add its figures (seconds, bytes and
+        of those the ``extras`` backward does not save anyway, by candidate name; the block's
+        activation and input bytes)."""
         with self.lock:
             kind = self.kinds[key]
             if kind.chosen is not None:
@@ -218,6 +241,7 @@ class Planner:
                     best = kind.seconds[name]
                     kind.seconds[name] = s if best is None else min(best, s)
                 kind.bytes[name] += costs.get(name, 0)
+                kind.extra[name] += (extras or {}).get(name, 0)
             kind.block_bytes += block_bytes
             kind.input_bytes += input_bytes
             kind.calls += 1
@@ -248,25 +272,30 @@ class Planner:
         return kind.chosen
 
     def budget_bytes(self, kind) -> float:
-        """What one call of ``kind`` may keep.  ``f`` bounds the recompute blocks' memory in a
-        step: without recompute ``L`` blocks alive at once hold ``L·(A + I)`` (``A`` a
-        block's activations, ``I`` its inputs that need a gradient); with a plan keeping ``K``
-        of each, ``L·(I + K)`` and, while the first of them is recomputed, its ``A - K`` more.
-        So ``K <= (f·L·(A + I) - L·I - A) / (L - 1)`` (never below 0: ``f`` under what full
-        recompute holds keeps only what costs nothing).  With one block alive at a time no
-        plan changes the peak (the kept part and the replayed rest are there together either
-        way): ``K <= f·A``, the fraction of that block."""
+        """What the plan of ``kind`` may add to the blocks' memory over full recompute
+        (module docstring): ``f·L·(A + I) - L·I - A`` with ``L`` blocks alive at once (never
+        below 0); with one alive at a time, ``f·A``."""
         calls = kind.calls
         a, i, n = kind.block_bytes / calls, kind.input_bytes / calls, self.live
         if n <= 1:
             return self.fraction * a
-        return max(0.0, (self.fraction * n * (a + i) - n * i - a) / (n - 1))
+        return max(0.0, self.fraction * n * (a + i) - n * i - a)
+
+    def costs(self, kind) -> dict:
+        """What keeping each measured candidate adds to the blocks' memory over full
+        recompute: its bytes in every other block alive, and in the block being recomputed
+        what backward would not hold anyway (a kept linear output that no op saves: the
+        replay saves what it computes from it); with one block alive at a time, its bytes."""
+        calls, n = kind.calls, self.live
+        measured = [name for name in kind.names if kind.seconds[name]]
+        if n <= 1:
+            return {name: kind.bytes[name] / calls for name in measured}
+        return {name: ((n - 1) * kind.bytes[name] + kind.extra[name]) / calls for name in measured}
 
     def _choose(self, kind):
-        calls = kind.calls
         budget = self.budget_bytes(kind)
-        seconds = {n: kind.seconds[n] for n in kind.names if kind.seconds[n]}  # (never called:
-        nbytes = {n: kind.bytes[n] / calls for n in seconds}  # nothing to spare)
+        nbytes = self.costs(kind)  # (a candidate never called spares nothing: none)
+        seconds = {n: kind.seconds[n] for n in nbytes}
         chosen, taken = set(), 0.0
         for _ in range(len(seconds)):  # (each round takes one; none is taken twice)
             best = None  # (time per byte it adds, name, bytes it adds, linears it replaces)
@@ -300,7 +329,11 @@ class Planner:
             "live_blocks": self.live,
             "measured_calls": calls,
             "measured": {
-                n: {"seconds": kind.seconds[n] or 0.0, "bytes": kind.bytes[n] // calls}
+                n: {
+                    "seconds": kind.seconds[n] or 0.0,
+                    "bytes": kind.bytes[n] // calls,
+                    "extra_bytes": kind.extra[n] // calls,
+                }
                 for n in kind.names
                 if n not in kind.owner or kind.seconds[n] is not None
             },
@@ -337,3 +370,8 @@ def _agreed(names, chosen, group):
 
 def _per_byte(seconds, nbytes):
     return float("inf") if nbytes == 0 else seconds / nbytes
+
+
+def _unsaved_bytes(tensors, saved_ptrs) -> int:
+    """The bytes of ``tensors`` whose buffers are not among the block's saved activations."""
+    return distinct_bytes(t for t in tensors if t.data_ptr() not in saved_ptrs)

@@ -203,6 +203,7 @@ class _Frame:
         measured = self.sublayers is not None and self.sublayers.measure is not None
         activations = self.activation_bytes() if measured else 0
         inputs = self.input_bytes() if measured else 0
+        ptrs = frozenset(x.data_ptr() for _, x in self.pending) if measured else frozenset()
         pending, self.pending = self.pending, None
         changed = self._release_changed_arguments()
         if changed:
@@ -218,6 +219,7 @@ class _Frame:
                 saved_bytes=saved,
                 activation_bytes=activations,
                 input_bytes=inputs,
+                saved_ptrs=ptrs,
             )
         if changed:
             holders = self.holders

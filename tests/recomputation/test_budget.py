@@ -105,8 +105,8 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
     assert _plan(planner, key) == planner.kinds[key].chosen == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert report["chosen"] == list(chosen)
-    assert report["measured"]["a"] == {"seconds": 1.0, "bytes": 100}
-    assert report["measured"]["never"] == {"seconds": 0.0, "bytes": 0}  # (never called)
+    assert report["measured"]["a"] == {"seconds": 1.0, "bytes": 100, "extra_bytes": 0}
+    assert report["measured"]["never"] == {"seconds": 0.0, "bytes": 0, "extra_bytes": 0}
     assert report["block_bytes"] == 200 and report["budget_bytes"] == int(fraction * 200)
 
 
@@ -131,7 +131,7 @@ def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
         )
     assert _plan(planner, key) == ("a", "c")
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
-    assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10}
+    assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10, "extra_bytes": 0}
     assert type(report["measured"]["a"]["bytes"]) is int
     assert report["block_bytes"] == 100 and type(report["block_bytes"]) is int
     assert report["budget_bytes"] == 50
@@ -190,25 +190,30 @@ def _plan(planner, key, live=1):
 @pytest.mark.parametrize(
     "fraction, live, budget_bytes, chosen",
     [
-        (0.5, 4, 26, ("a",)),  # (0.5·4·110 - 4·10 - 100) / 3 = 26.7
-        (0.5, 1, 50, ("a", "b")),  # one block alive: the fraction of it
+        # 0.5·4·110 - 4·10 - 100; a adds 3·20 + 20 (its 20 bytes are no saved activation)
+        (0.5, 4, 80, ("a",)),
+        (0.5, 1, 50, ("a", "b")),  # one block alive: the fraction of its bytes
         (0.3, 4, 0, ()),  # under what full recompute holds (140 of 440): nothing
-        (1.0, 4, 100, ("a", "b", "c")),
-        (0.7, 2, 34, ("a",)),  # (0.7·2·110 - 2·10 - 100) / 1
+        (1.0, 4, 300, ("a", "b")),  # c would add 150 more
+        (0.7, 2, 34, ("b",)),  # 0.7·2·110 - 2·10 - 100: a adds 40, b 30
     ],
 )
 def test_the_budget_bounds_the_memory_of_all_blocks_alive_at_once(
     fresh_plans, fraction, live, budget_bytes, chosen
 ):
     """Blocks of 100 activation bytes and 10 input bytes, ``live`` of them alive at once: the
-    plan keeps per block what keeps the blocks' memory, one of them recomputing, within the
-    fraction of theirs without recompute (110 each)."""
+    plan adds to the blocks' memory under full recompute (every input, one block's activations)
+    at most what keeps it within the fraction of theirs without recompute (110 each).  A
+    candidate adds its bytes in every other block alive, and in the block being recomputed
+    those backward does not hold anyway (a's, a linear output no op saves)."""
     names = ("a", "b", "c")
     planner = budget.Planner("budget:test", fraction)
     key = ("Block", names)
     planner.kinds[key] = budget._Kind("Block", names)
     for _ in range(budget.MEASURED_CALLS):
-        planner.measured(key, {"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 20, "b": 30, "c": 50}, 100, 10)
+        planner.measured(
+            key, {"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 20, "b": 30, "c": 50}, 100, 10, {"a": 20}
+        )
     assert _plan(planner, key, live) == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert (report["budget_bytes"], report["live_blocks"]) == (budget_bytes, live)
@@ -377,7 +382,7 @@ def test_a_sublayer_taken_whole_replaces_its_linears_and_a_kept_one_hides_them(
     assert kind.chosen == tuple(n for n in kind.names if n in chosen)
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert "gemm:norm" not in report["measured"]  # never a linear's weight: no candidate
-    assert report["measured"]["gemm:a.w"] == {"seconds": 5.0, "bytes": 10}
+    assert report["measured"]["gemm:a.w"] == {"seconds": 5.0, "bytes": 10, "extra_bytes": 0}
 
 
 def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
@@ -626,8 +631,9 @@ def test_a_weight_used_twice_is_measured_as_both_calls(fresh_plans, monkeypatch)
     policy_runs.train(_Twice, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)  # (planned in 2)
     measured = stats.snapshot()["plans"]["budget:1"]["_Twice"]["measured"]
     row = ROWS * D * 4  # one [ROWS, D] fp32 output
-    assert measured["gemm:lin.weight"] == {"seconds": 2.0, "bytes": 2 * row}
-    assert measured["gemm:out.weight"] == {"seconds": 1.0, "bytes": row}
+    # (no op saves a linear's output here: tanh saves its own)
+    assert measured["gemm:lin.weight"] == {"seconds": 2.0, "bytes": 2 * row, "extra_bytes": 2 * row}
+    assert measured["gemm:out.weight"] == {"seconds": 1.0, "bytes": row, "extra_bytes": row}
 
 
 class _OwnWeight(paddle.nn.Layer):
@@ -701,7 +707,8 @@ def test_a_step_of_several_blocks_is_planned_for_all_of_them_alive(fresh_plans, 
     plan = stats.snapshot()["plans"]["budget:0.9"]["Decoder"]
     assert (plan["live_blocks"], plan["measured_calls"]) == (3, 3), plan
     assert plan["input_bytes"] == ROWS * D * 4  # (the hidden state each block is handed)
-    assert plan["chosen"] and 0 < plan["budget_bytes"] < 0.9 * plan["block_bytes"], plan
+    a, i = plan["block_bytes"], plan["input_bytes"]
+    assert plan["chosen"] and abs(plan["budget_bytes"] - (0.9 * 3 * (a + i) - 3 * i - a)) < 2
     planned = 3 * (steps - 1)
     gemms = sum(n.startswith("gemm:") for n in plan["chosen"])  # (one linear per weight)
     counters = stats.snapshot()["policy"]["budget:0.9"]
@@ -731,3 +738,33 @@ def test_a_buffer_saved_by_several_ops_is_counted_once(fresh_plans, monkeypatch)
     policy_runs.train(_Shared, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)
     plan = stats.snapshot()["plans"]["budget:1"]["_Shared"]
     assert plan["block_bytes"] == ROWS * D * 4, plan
+
+
+class _SavedOrNot(paddle.nn.Layer):
+    """One linear whose output the op after it saves (silu saves its input), one whose output
+    no op saves (tanh saves its own output), in a sublayer of their own each."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved = paddle.nn.Sequential(paddle.nn.Linear(D, D), paddle.nn.Silu())
+        self.unsaved = paddle.nn.Sequential(paddle.nn.Linear(D, D), paddle.nn.Tanh())
+
+    def forward(self, h):
+        return self.unsaved(self.saved(h)) * 1.0
+
+
+def test_extra_bytes_are_what_backward_does_not_save_anyway(fresh_plans, monkeypatch):
+    """A candidate's ``extra_bytes``: its kept outputs that are none of the block's saved
+    activations.  The first linear's output is saved by silu (0 extra), the second's by no op
+    (all of it); the first sublayer's output is saved by the second linear (0), the second's,
+    tanh's output, by tanh (0)."""
+    monkeypatch.setattr(budget, "MEASURED_CALLS", 1)
+    policy_runs.train(_SavedOrNot, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)
+    measured = stats.snapshot()["plans"]["budget:1"]["_SavedOrNot"]["measured"]
+    row = ROWS * D * 4
+    assert {n: (m["bytes"], m["extra_bytes"]) for n, m in measured.items()} == {
+        "saved": (2 * row, 0),  # (the linear's output saved by silu, silu's output)
+        "unsaved": (2 * row, 0),  # (its input saved by its linear, tanh's output)
+        "gemm:saved.0.weight": (row, 0),
+        "gemm:unsaved.0.weight": (row, row),
+    }
