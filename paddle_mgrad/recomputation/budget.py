@@ -35,10 +35,13 @@ more), so it is measured, not assumed:
 * **Budget**: the blocks hold ``L·(A + I)`` without recompute, ``L·I + A`` under full
   recompute (every block's input, and the activations of the one being recomputed).  A plan
   keeping ``K`` of each block adds ``(L - 1)·K`` for the other blocks alive, and ``E`` for the
-  one being recomputed: what it keeps that backward would not hold anyway (a kept linear
-  output that no op saves -- the attention saves the rotated q, not q; the replay saves what
-  it computes from it; ``extra_bytes`` per candidate: its outputs whose buffers are not among
-  the block's saved activations).  The plan may add ``f·L·(A + I) - L·I - A``
+  one being recomputed: for a linear, what it keeps that backward would not hold anyway (a
+  kept output that no op saves -- the attention saves the rotated q, not q; the replay saves
+  what it computes from it; ``extra_bytes``: its outputs whose buffers are not among the
+  block's saved activations); for a sublayer, all of its bytes (measured on a llama decoder
+  layer: keeping the MLP or both norms whole raised the step's peak by about their bytes once
+  more than the other blocks account for, keeping the attention whole by its output only; so
+  the count errs high).  The plan may add ``f·L·(A + I) - L·I - A``
   (:meth:`Planner.budget_bytes`, :meth:`Planner.costs`); with one block alive at a time, whose
   peak no plan changes, ``f·A`` of its bytes.  Below what full recompute holds
   (``f·L·(A + I) < L·I + A``: two layers hold about half) nothing but what costs no byte is
@@ -142,8 +145,7 @@ class _Measurement:
         the data pointers of the block's saved activations, to tell which kept outputs
         backward holds anyway)."""
         seconds, costs = dict(sublayers.times), dict(sublayers.costs)
-        extras = {n: _unsaved_bytes(ts, saved_ptrs) for n, ts in sublayers.outputs.items()}
-        sublayers.outputs.clear()  # (not until backward)
+        extras = dict(costs)  # (a sublayer's: all of it, measured: module docstring)
         for weight, (s, nbytes, outputs) in kept.keepable_timings().items():
             name = self.weights.get(weight)  # (one name per weight: summed by weight already)
             if name is not None:

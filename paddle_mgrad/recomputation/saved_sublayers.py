@@ -239,9 +239,8 @@ class Sublayers:
 
     With ``measure`` (the ``budget:`` policy's measuring calls, :mod:`.budget`) nothing is
     kept: each sublayer's forward is timed (``times``) and what keeping it would cost is
-    counted (``costs``: the activations its ops save, and its tensor outputs, held in
-    ``outputs`` until then), by the name ``measure.names`` gives it; ``measure.done`` gets them
-    when the block's forward ends."""
+    counted (``costs``: the activations its ops save, and its tensor outputs), by the name
+    ``measure.names`` gives it; ``measure.done`` gets them when the block's forward ends."""
 
     __slots__ = (
         "layers",
@@ -253,7 +252,6 @@ class Sublayers:
         "measure",
         "times",
         "costs",
-        "outputs",
     )
 
     def __init__(self, layers, measure=None):
@@ -266,7 +264,6 @@ class Sublayers:
         self.measure = measure
         self.times: dict = {}
         self.costs: dict = {}
-        self.outputs: dict = {}  # measuring: name -> its tensor outputs (until the forward ends)
 
     def call(self, frame, layer, forward, args, kwargs):
         """``layer``'s call inside the block: recorded in the forward, skipped (or run) in a
@@ -305,9 +302,8 @@ class Sublayers:
         out, seconds = timed(first, forward, *args, **kwargs)
         name = self.measure.names[id(layer)]
         self.times[name] = self.times.get(name, 0.0) + seconds
-        outputs = list(iter_tensors(out))
+        outputs = iter_tensors(out)
         self.costs[name] = self.costs.get(name, 0) + frame.activation_bytes(start, outputs)
-        self.outputs.setdefault(name, []).extend(outputs)
         return out
 
     def _replay(self, frame, layer, forward, args, kwargs):
