@@ -1,61 +1,58 @@
-"""The ``budget:<fraction>`` recompute policy: which sublayers and GEMM outputs to keep,
-measured on this machine.
+"""The ``budget:<fraction>`` recompute policy: which sublayers and GEMM outputs to keep, measured
+on this machine.
 
 ``save:<pattern>`` keeps the sublayers the user names (:mod:`.saved_sublayers`); ``gemm`` keeps
 every GEMM output.  ``budget:f`` chooses among both: keep what costs the most replay time per
 byte kept, so that the recompute blocks alive at once hold ``f`` times the bytes they hold
-without recompute, and recompute the rest.  What is costly depends on the machine and the model (on a GPU the GEMMs
-dominate a decoder layer's time, on a CPU attention's softmax and the elementwise ops weigh
-more), so it is measured, not assumed:
+without recompute, and recompute the rest.  What is costly depends on the machine and the model
+(on a GPU the GEMMs dominate a decoder layer's time, on a CPU attention's softmax and the
+elementwise ops weigh more), so it is measured, not assumed:
 
 * **Candidates**: the direct sublayers of the Layer the block runs (a decoder layer's norms,
-  attention, MLP; the block's Layer found as for ``save:``), kept whole; and the output of
-  each fused linear whose weight is a parameter of that Layer (``gemm:<parameter path>``,
+  attention, MLP; the block's Layer found as for ``save:``), kept whole; and the output of each
+  fused linear whose weight is a parameter of that Layer (``gemm:<parameter path>``,
   ``gemm:mlp.up_proj.weight``), kept as ``gemm`` keeps it.  Blocks are planned by kind: the
   Layer's class, its sublayers' names and its parameters' paths, so every decoder layer of a
   model shares one plan, and a dense and a mixture-of-experts decoder layer of one class
-  (DeepSeek's first layers and the others) are two kinds (``stats.plans``: the class name,
-  then ``#2``, ``#3``, ... for further kinds of one class).
+  (DeepSeek's first layers and the others) are two kinds (``stats.plans``: the class name, then
+  ``#2``, ``#3``, ... for further kinds of one class).
 * **Measuring**: the first :data:`MEASURED_CALLS` calls of a kind, and any before the first
-  backward, run as full recompute (so
-  bit-identical like every policy) while each candidate's forward is timed (host clock; on an
-  accelerator synchronised around each candidate, in these calls only) and the bytes it costs
-  to keep are counted: for a sublayer, the activations its ops save (the pack hook sees them;
-  parameters and the block's arguments are kept anyway and cost nothing) plus its tensor
-  outputs, each buffer once (a tensor saved by two ops, a reshape of it); for a linear, its
-  output.  A linear whose output is changed in place after it
-  (fleet's in-place all-reduce, a residual ``add_``) cannot be kept and is no candidate.  The
-  block's own activation bytes (what it keeps without recompute, ``A``) and its arguments that
-  need a gradient (what full recompute keeps of it, ``I``: the hidden state) are counted too,
-  and the first backward tells how many block calls were alive at once (``L``: the calls
-  since the last recomputation, at a recomputation; a step's decoder layers, or a pipeline's
-  layers times its micro-batches in flight).  A
-  candidate's time is its minimum over those calls (the first call of a process pays
-  warm-ups), its bytes their mean.
-* **Budget**: the blocks hold ``L·(A + I)`` without recompute, ``L·I + A`` under full
-  recompute (every block's input, and the activations of the one being recomputed).  A plan
-  keeping ``K`` of each block adds ``(L - 1)·K`` for the other blocks alive, and ``E`` for the
-  one being recomputed: for a linear, what it keeps that backward would not hold anyway (a
-  kept output that no op saves -- the attention saves the rotated q, not q; the replay saves
-  what it computes from it; ``extra_bytes``: its outputs whose buffers are not among the
-  block's saved activations); for a sublayer, all of its bytes (measured on a llama decoder
-  layer: keeping the MLP or both norms whole raised the step's peak by about their bytes once
-  more than the other blocks account for, keeping the attention whole by its output only; so
-  the count errs high).  The plan may add ``f·L·(A + I) - L·I - A``
-  (:meth:`Planner.budget_bytes`, :meth:`Planner.costs`); with one block alive at a time, whose
-  peak no plan changes, ``f·A`` of its bytes.  Below what full recompute holds
-  (``f·L·(A + I) < L·I + A``: two layers hold about half) nothing but what costs no byte is
-  kept.  Memory outside the blocks
-  (embeddings, logits, the loss, gradients) is no policy's: a step's peak is that fraction of
-  no recompute's only where the blocks dominate it.
-* **Choice**: one candidate at a time, the one that adds the most replay time per byte it
-  adds (bytes as the budget counts them), among those that still fit within the budget.  A
-  sublayer taken whole replaces the linears inside it already taken: it adds its time and bytes
-  less theirs (keeping the mlp whole adds its elementwise ops' replay to its linears' outputs
-  for its other activations' bytes), and a linear inside a sublayer taken is passed over.  A
-  candidate that costs no byte is always taken.  The plan is made at the start of the
-  kind's first call after both (every rank of a group at the same call); from then on the
-  kind runs the chosen sublayers as ``save:`` and the chosen linears as ``gemm`` (in a
+  backward, run as full recompute (so bit-identical like every policy) while each candidate's
+  forward is timed (host clock; on an accelerator synchronised around each candidate, in these
+  calls only) and the bytes it costs to keep are counted: for a sublayer, the activations its
+  ops save (the pack hook sees them; parameters and the block's arguments are kept anyway and
+  cost nothing) plus its tensor outputs, each buffer once (a tensor saved by two ops, a reshape
+  of it); for a linear, its output.  A linear whose output is changed in place after it (fleet's
+  in-place all-reduce, a residual ``add_``) cannot be kept and is no candidate.  The block's own
+  activation bytes (what it keeps without recompute, ``A``) and its arguments that need a
+  gradient (what full recompute keeps of it, ``I``: the hidden state) are counted too, and the
+  first backward tells how many block calls were alive at once (``L``: the calls since the last
+  recomputation, at a recomputation; a step's decoder layers, or a pipeline's layers times its
+  micro-batches in flight).  A candidate's time is its minimum over those calls (the first call
+  of a process pays warm-ups), its bytes their mean.
+* **Budget**: the blocks hold ``L·(A + I)`` without recompute, ``L·I + A`` under full recompute
+  (every block's input, and the activations of the one being recomputed).  A plan keeping ``K``
+  of each block adds ``(L - 1)·K`` for the other blocks alive, and ``E`` for the one being
+  recomputed: for a linear, what it keeps that backward would not hold anyway (a kept output
+  that no op saves -- the attention saves the rotated q, not q; the replay saves what it
+  computes from it; ``extra_bytes``: its outputs whose buffers are not among the block's saved
+  activations); for a sublayer, all of its bytes (measured on a llama decoder layer: keeping the
+  MLP or both norms whole raised the step's peak by about their bytes once more than the other
+  blocks account for, keeping the attention whole by its output only; so the count errs high).
+  The plan may add ``f·L·(A + I) - L·I - A`` (:meth:`Planner.budget_bytes`,
+  :meth:`Planner.costs`); with one block alive at a time, whose peak no plan changes, ``f·A`` of
+  its bytes.  Below what full recompute holds (``f·L·(A + I) < L·I + A``: two layers hold about
+  half) nothing but what costs no byte is kept.  Memory outside the blocks (embeddings, logits,
+  the loss, gradients) is no policy's: a step's peak is that fraction of no recompute's only
+  where the blocks dominate it.
+* **Choice**: one candidate at a time, the one that adds the most replay time per byte it adds
+  (bytes as the budget counts them), among those that still fit within the budget.  A sublayer
+  taken whole replaces the linears inside it already taken: it adds its time and bytes less
+  theirs (keeping the mlp whole adds its elementwise ops' replay to its linears' outputs for its
+  other activations' bytes), and a linear inside a sublayer taken is passed over.  A candidate
+  that costs no byte is always taken.  The plan is made at the start of the kind's first call
+  once it was measured and a backward seen (every rank of a group at the same call); from then
+  on the kind runs the chosen sublayers as ``save:`` and the chosen linears as ``gemm`` (in a
   tensor-parallel group, the plan of the group's first rank: every rank must replay the same
   collectives); the plan is in ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen,
   measured seconds and bytes).
