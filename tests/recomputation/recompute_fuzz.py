@@ -55,6 +55,8 @@ OUTS = ("tensor", "tuple_none", "dict", "input", "view", "input_only")
 #: ``budget:`` measures the first calls of each kind of block (one process: the examples
 #: share the plans), then keeps what its plan chose among the block's direct sublayers
 POLICIES = ("full", "gemm", "save:lin_a", "save:Linear", "budget:0.5", "budget:1")
+#: the budget policy the fuzzer plans as if one block were alive at a time (:func:`run_case`)
+ONE_BLOCK = "budget:1"
 PARAMS = (
     "pre.weight",
     "pre.bias",
@@ -246,19 +248,33 @@ def run_case(case, how):
     """Train ``case`` for its micro-steps with recompute ``how``; return a dict of
     numpy arrays (or None) keyed by what they are: step outputs, input grads, param grads.
 
-    Under a ``budget:`` policy each run plans anew, after its first block call (not the
-    first :data:`~paddle_mgrad.recomputation.budget.MEASURED_CALLS`): the micro-steps after
-    it run the plan, so one example covers both the measuring and the planned calls."""
+    Under a ``budget:`` policy each run plans anew, after its first block call and backward
+    (not the first :data:`~paddle_mgrad.recomputation.budget.MEASURED_CALLS` calls): the
+    micro-steps after it run the plan, so one example covers both the measuring and the
+    planned calls.  Under :data:`ONE_BLOCK` the planner counts one block alive at a time (its
+    budget the fraction of a block's bytes, a candidate's cost its bytes): with nested
+    recompute two are, and ``budget:1`` would then refuse a linear output that no op saves
+    (it costs more than no recompute holds), so few examples would keep linear outputs and
+    sublayers together -- what the fuzzer is here to check is that whatever a plan keeps is
+    exactly what the forward computed."""
     if not case.policy.startswith("budget:") or how == "none" or how.startswith("native"):
         return _run_case(case, how)
     measured_calls = budget.MEASURED_CALLS
+    replayed = budget.Planner.replayed
     policy_mod._NAMED.pop(case.policy, None)
     budget.MEASURED_CALLS = 1
+    if case.policy == ONE_BLOCK:
+        budget.Planner.replayed = _one_block_alive
     try:
         return _run_case(case, how)
     finally:
         budget.MEASURED_CALLS = measured_calls
+        budget.Planner.replayed = replayed
         policy_mod._NAMED.pop(case.policy, None)
+
+
+def _one_block_alive(planner):
+    planner.live = 1
 
 
 def _run_case(case, how):
