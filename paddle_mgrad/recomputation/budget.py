@@ -228,6 +228,7 @@ class Planner:
         """One measured block call is done (its forward): add its figures (seconds, bytes and
         of those the ``extras`` backward does not save anyway, by candidate name; the block's
         activation and input bytes)."""
+        extras = extras or {}
         with self.lock:
             kind = self.kinds[key]
             if kind.chosen is not None:
@@ -240,7 +241,7 @@ class Planner:
                     best = kind.seconds[name]
                     kind.seconds[name] = s if best is None else min(best, s)
                 kind.bytes[name] += costs.get(name, 0)
-                kind.extra[name] += (extras or {}).get(name, 0)
+                kind.extra[name] += extras.get(name, 0)
             kind.block_bytes += block_bytes
             kind.input_bytes += input_bytes
             kind.calls += 1

@@ -302,8 +302,9 @@ class Sublayers:
         out, seconds = timed(first, forward, *args, **kwargs)
         name = self.measure.names[id(layer)]
         self.times[name] = self.times.get(name, 0.0) + seconds
-        outputs = iter_tensors(out)
-        self.costs[name] = self.costs.get(name, 0) + frame.activation_bytes(start, outputs)
+        self.costs[name] = self.costs.get(name, 0) + frame.activation_bytes(
+            start, iter_tensors(out)
+        )
         return out
 
     def _replay(self, frame, layer, forward, args, kwargs):
