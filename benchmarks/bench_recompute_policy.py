@@ -182,7 +182,8 @@ def main():
                 f"    plan for {kind}: keep {plan['chosen']} within "
                 f"{plan['budget_bytes'] / 2**20:.1f} MiB per call (activations "
                 f"{plan['block_bytes'] / 2**20:.1f} MiB, inputs {plan['input_bytes'] / 2**20:.1f}"
-                f" MiB, {plan['live_blocks']} blocks alive at once); "
+                f" MiB, {plan['live_blocks']} blocks alive at once, outside them "
+                f"{plan['outside_bytes'] / 2**20:.1f} MiB); "
                 "measured ms / MiB (of which backward does not hold anyway): "
                 + ", ".join(
                     f"{n} {m['seconds'] * 1e3:.2f} / {m['bytes'] / 2**20:.2f} "

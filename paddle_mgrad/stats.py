@@ -38,8 +38,9 @@ recompute = {
 policy: dict = {}
 #: per ``budget:`` policy, per kind of block (its Layer's class): the plan made after the
 #: measured calls -- ``chosen`` candidates, ``budget_bytes`` (what the plan may add to the
-#: blocks' memory over full recompute), ``block_bytes`` and ``input_bytes`` (one call's
-#: activations without recompute, and its arguments that need a gradient), ``live_blocks``
+#: step's memory over full recompute), ``block_bytes`` and ``input_bytes`` (one call's
+#: activations without recompute, and its arguments that need a gradient), ``outside_bytes``
+#: (what a measured step held outside the blocks at its peak), ``live_blocks``
 #: (block calls alive at once), ``measured_calls`` and per candidate the ``measured`` seconds,
 #: bytes and ``extra_bytes`` (of those, what backward would not hold anyway).  A plan holds for
 #: the rest of the process (not cleared by :func:`reset`).

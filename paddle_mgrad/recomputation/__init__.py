@@ -11,6 +11,9 @@ Where things are:
 * :mod:`.rng`, :mod:`.amp` -- capture in forward, replay in recomputation;
 * :mod:`.saved_hooks` -- per-thread stacks of saved-tensor hook pairs (threads,
   nesting) and ``save_for_backward`` of non-tensor objects;
+* :mod:`.policy` -- what a block keeps from its forward instead of recomputing it:
+  :mod:`.saved_sublayers` (``save:``), :mod:`.budget` (``budget:``, measured; what the
+  allocator holds: :mod:`.memory`);
 * :mod:`.tensors` -- small helpers shared by both implementations;
 * :mod:`.to_static` -- recompute under ``paddle.jit.to_static`` runs as dygraph.
 """

@@ -39,12 +39,17 @@ elementwise ops weigh more), so it is measured, not assumed:
   activations); for a sublayer, all of its bytes (measured on a llama decoder layer: keeping the
   MLP or both norms whole raised the step's peak by about their bytes once more than the other
   blocks account for, keeping the attention whole by its output only; so the count errs high).
-  The plan may add ``f·L·(A + I) - L·I - A`` (:meth:`Planner.budget_bytes`,
-  :meth:`Planner.costs`); with one block alive at a time, whose peak no plan changes, ``f·A`` of
-  its bytes.  Below what full recompute holds (``f·L·(A + I) < L·I + A``: two layers hold about
-  half) nothing but what costs no byte is kept.  Memory outside the blocks (embeddings, logits,
-  the loss, gradients) is no policy's: a step's peak is that fraction of no recompute's only
-  where the blocks dominate it.
+  A step also holds memory outside its blocks at its peak (``O``: logits, the loss, gradients,
+  backward's temporaries), under every policy alike: it is read from the allocator
+  (:mod:`.memory`) in the measured steps -- the most a step held above what was allocated at its
+  first block call (the allocator's peak, where the step raised it; else what it holds at each
+  replay), less what full recompute's blocks hold then.  So that the step's peak is ``f`` times
+  no recompute's, ``f·(O + L·(A + I))``, the plan may add ``f·(O + L·(A + I)) - O - L·I - A``
+  (:meth:`Planner.budget_bytes`, :meth:`Planner.costs`); with one block alive at a time, whose
+  peak no plan changes, ``f·A`` of its bytes.  Below what full recompute holds (two layers
+  hold about half) nothing but what costs no byte is kept.  Where Paddle keeps no allocator
+  statistics, ``O`` is 0; in a first step, gradient buffers allocated as its backward runs
+  count as ``O`` (later steps hold them before they start): the plan errs toward memory.
 * **Choice**: one candidate at a time, the one that adds the most replay time per byte it adds
   (bytes as the budget counts them), among those that still fit within the budget.  A sublayer
   taken whole replaces the linears inside it already taken: it adds its time and bytes less
@@ -69,8 +74,9 @@ import weakref
 
 from .. import stats
 from ..autograd.recomputing import KeptOutputs
+from .memory import allocated_on
 from .saved_sublayers import Sublayers, block_layers
-from .tensors import distinct_bytes
+from .tensors import distinct_bytes, iter_tensors
 
 __all__ = ["MEASURED_CALLS", "Planner"]
 
@@ -78,6 +84,8 @@ __all__ = ["MEASURED_CALLS", "Planner"]
 MEASURED_CALLS = 3
 #: a candidate's name for the output of the linears whose weight is the parameter at ``path``
 GEMM = "gemm:"
+#: :attr:`Planner.memory` before the blocks' place is known
+_UNSET = object()
 
 
 # root Layer -> its kind's key; a model's structure is fixed once built
@@ -170,6 +178,11 @@ class Planner:
         self.lock = threading.Lock()
         self.forwards = 0  # block calls since the last replay
         self.live = 0  # the most block calls seen alive at once (at a replay): 0 before one
+        # the allocator statistics of the blocks' place (:mod:`.memory`; None: none kept),
+        # read while a step is measured
+        self.memory = _UNSET
+        self._step = None  # (allocated, peak) at the measured step's first block call
+        self.step_bytes = 0  # the most a measured step held above that
         # root Layer -> the ids of the weights whose linears its plan keeps
         self._weight_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -186,12 +199,15 @@ class Planner:
         key = _kind(root)
         children = dict(root.named_children())
         with self.lock:
+            first = not self.forwards  # (the first call since a replay: a step's first)
             self.forwards += 1
             if key not in self.kinds:
                 same = sum(k[0] == key[0] for k in self.kinds)
                 label = key[0] if not same else f"{key[0]}#{same + 1}"
                 self.kinds[key] = _Kind(label, key[1], key[2])
         chosen = self.choose(key)
+        if first:
+            self._step_starts(chosen is None, args, kwargs)
         if chosen is None:
             weights = {id(p): GEMM + name for name, p in root.named_parameters()}
             if not children and not weights:
@@ -246,14 +262,31 @@ class Planner:
             kind.input_bytes += input_bytes
             kind.calls += 1
 
+    def _step_starts(self, measured, args, kwargs):
+        """The first block call of a step (since a replay): while it is ``measured``, what
+        the allocator holds now and its peak so far, to tell what the step adds."""
+        with self.lock:
+            if self.memory is _UNSET:
+                t = next(iter_tensors((args, kwargs)), None)
+                self.memory = None if t is None else allocated_on(t)
+            memory = self.memory
+            self._step = (memory.now(), memory.peak()) if measured and memory else None
+
     def replayed(self):
         """A block of this policy was recomputed (in backward): the block calls since the last
         recomputation were alive at once -- every one holds its arguments and what its plan
-        keeps until its own backward."""
+        keeps until its own backward.  In a measured step, the most the step held so far:
+        the allocator's peak where the step raised it, else what it holds now (a lower
+        bound: an earlier peak, not reset since, hides the step's)."""
         with self.lock:
             if self.forwards:
                 self.live = max(self.live, self.forwards)
                 self.forwards = 0
+            if self._step is not None:
+                before, peak_before = self._step
+                peak = self.memory.peak()
+                held = peak if peak > peak_before else self.memory.now()
+                self.step_bytes = max(self.step_bytes, held - before)
 
     def choose(self, key):
         """The plan of the kind ``key`` (the names it keeps), made now if it is due: measured
@@ -272,14 +305,25 @@ class Planner:
         return kind.chosen
 
     def budget_bytes(self, kind) -> float:
-        """What the plan of ``kind`` may add to the blocks' memory over full recompute
-        (module docstring): ``f·L·(A + I) - L·I - A`` with ``L`` blocks alive at once (never
-        below 0); with one alive at a time, ``f·A``."""
+        """What the plan of ``kind`` may add to a step's memory over full recompute (module
+        docstring): ``f·(O + L·(A + I)) - O - L·I - A`` with ``L`` blocks alive at once and
+        ``O`` held outside them (never below 0); with one alive at a time, ``f·A``."""
         calls = kind.calls
         a, i, n = kind.block_bytes / calls, kind.input_bytes / calls, self.live
         if n <= 1:
             return self.fraction * a
-        return max(0.0, self.fraction * n * (a + i) - n * i - a)
+        o = self.outside_bytes(kind)
+        return max(0.0, self.fraction * (o + n * (a + i)) - o - n * i - a)
+
+    def outside_bytes(self, kind) -> float:
+        """What a measured step held at its peak outside the blocks of ``kind`` (``O``:
+        logits, the loss, gradients, backward's temporaries): the most it held above what was
+        allocated at its first block call, less what full recompute's blocks hold then (the
+        inputs of the other blocks alive, the activations of the one recomputed); 0 where
+        the allocator is not read."""
+        calls = kind.calls
+        a, i = kind.block_bytes / calls, kind.input_bytes / calls
+        return max(0.0, self.step_bytes - (self.live - 1) * i - a)
 
     def costs(self, kind) -> dict:
         """What keeping each measured candidate adds to the blocks' memory over full
@@ -326,6 +370,7 @@ class Planner:
             "budget_bytes": int(self.budget_bytes(kind)),
             "block_bytes": kind.block_bytes // calls,
             "input_bytes": kind.input_bytes // calls,
+            "outside_bytes": int(self.outside_bytes(kind)),
             "live_blocks": self.live,
             "measured_calls": calls,
             "measured": {

@@ -14,7 +14,7 @@ from policy_runs import assert_identical
 
 import paddle_mgrad
 from paddle_mgrad import EnvError, stats
-from paddle_mgrad.recomputation import budget, policy as policy_mod
+from paddle_mgrad.recomputation import budget, memory, policy as policy_mod
 
 MODES = ("reentrant", "non_reentrant")
 #: the fused linears of a Decoder, by path
@@ -240,6 +240,110 @@ def test_blocks_alive_at_once_are_the_most_calls_between_two_replays(fresh_plans
     assert (planner.live, planner.forwards) == (4, 0)
     assert planner.choose(key) == ("a",)
     assert stats.snapshot()["plans"]["budget:test"]["Block"]["live_blocks"] == 4
+
+
+class _Allocator:
+    """A stand-in for the allocator statistics (:class:`.memory.Allocated`): the bytes set
+    in ``now`` and ``peak``, and how often each was read."""
+
+    def __init__(self, now, peak):
+        self.values = {"now": now, "peak": peak}
+        self.reads = 0
+        self.allocated = memory.Allocated(lambda: self._read("now"), lambda: self._read("peak"))
+
+    def _read(self, which):
+        self.reads += 1
+        return self.values[which]
+
+
+def _measured_step(planner, key, allocator, held, block_bytes=100, input_bytes=10, live=4):
+    """One measured step of ``live`` blocks: its first call starts it (the allocator holds
+    1000 bytes then), each call is measured, then backward replays them; at the first
+    replay the allocator reads ``held`` (a dict: ``now`` and ``peak``)."""
+    planner._step_starts(True, (), {})
+    for _ in range(live):
+        planner.measured(key, {"a": 1.0, "b": 1.0}, {"a": 20, "b": 30}, block_bytes, input_bytes)
+    planner.forwards = live
+    allocator.values.update(held)
+    for _ in range(live):
+        planner.replayed()
+
+
+@pytest.mark.parametrize(
+    "before, held, outside, budget_bytes, chosen",
+    [
+        # the step raised the peak to 1800: 800 above its start, of which 3·10 + 100 are the
+        # blocks' (the other blocks' inputs, the one recomputed): 670 outside them;
+        # 0.5·(670 + 4·110) - 670 - 4·10 - 100 = -255: nothing
+        (1000, {"now": 1500, "peak": 1800}, 670, 0, ()),
+        # an earlier peak (5000) hides the step's: what it holds now, 1230 (230 above its
+        # start): 100 outside; 0.5·(100 + 440) - 100 - 140 = 30: a adds 3·20, b 3·30: over
+        (5000, {"now": 1230, "peak": 5000}, 100, 30, ()),
+        # 10 outside: 0.5·450 - 10 - 140 = 75: a fits, then b does not
+        (5000, {"now": 1140, "peak": 5000}, 10, 75, ("a",)),
+    ],
+)
+def test_memory_outside_the_blocks_shrinks_the_budget(
+    fresh_plans, before, held, outside, budget_bytes, chosen
+):
+    """What a measured step holds outside its blocks (logits, the loss, gradients) is part of
+    both no recompute's peak and the plan's: the fraction bounds the step, so the budget is
+    ``f·(O + L·(A + I)) - O - L·I - A``.  ``O`` is read from the allocator at the replays:
+    the peak where the step raised it, else what is allocated then (an earlier peak not
+    reset hides the step's: a lower bound)."""
+    names = ("a", "b")
+    planner = budget.Planner("budget:test", 0.5)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind("Block", names)
+    allocator = _Allocator(now=1000, peak=before)
+    planner.memory = allocator.allocated
+    _measured_step(planner, key, allocator, held)
+    assert planner.choose(key) == chosen
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert (report["outside_bytes"], report["budget_bytes"]) == (outside, budget_bytes)
+
+
+def test_a_step_is_read_from_its_first_call_to_its_largest_replay(fresh_plans):
+    """What a step holds is counted from its first block call (later calls start with more
+    allocated: the earlier blocks' inputs), up to the most any of its replays saw (backward
+    frees as it goes: the last replay holds the least)."""
+    planner = budget.Planner("budget:test", 0.5)
+    net = Decoder()
+    allocator = _Allocator(now=1000, peak=5000)  # (an earlier peak: what is held counts)
+    planner.memory = allocator.allocated
+    x = paddle.ones([ROWS, D])
+    for now in (1000, 1100, 1200):
+        allocator.values["now"] = now
+        planner.plan(custom_forward(net), (x,), {})
+    for now in (1700, 1500, 1300):
+        allocator.values["now"] = now
+        planner.replayed()
+    assert planner.step_bytes == 700
+
+
+def test_the_allocator_is_read_only_while_a_step_is_measured(fresh_plans):
+    """Once planned, a step's first call and its replays read no statistic (no host cost
+    per call); without statistics (None) the plan counts nothing outside the blocks."""
+    names = ("a", "b")
+    planner = budget.Planner("budget:test", 0.5)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind("Block", names)
+    allocator = _Allocator(now=1000, peak=1000)
+    planner.memory = allocator.allocated
+    _measured_step(planner, key, allocator, {"now": 1100, "peak": 1150})
+    assert planner.choose(key) is not None
+    reads = allocator.reads
+    assert reads == 2 + 4  # (the start: both; each replay: the peak, which the step raised)
+    planner._step_starts(False, (), {})
+    for _ in range(4):
+        planner.replayed()
+    assert allocator.reads == reads
+    planner = budget.Planner("budget:none", 0.5)
+    planner.kinds[key] = budget._Kind("Block", names)
+    planner.memory = None
+    _measured_step(planner, key, allocator, {"now": 9000, "peak": 9000})
+    planner.choose(key)
+    assert stats.snapshot()["plans"]["budget:none"]["Block"]["outside_bytes"] == 0
 
 
 def test_calls_that_ran_none_of_the_sublayers_measure_nothing(fresh_plans):
@@ -697,8 +801,9 @@ class _Stack(paddle.nn.Layer):
 
 def test_a_step_of_several_blocks_is_planned_for_all_of_them_alive(fresh_plans, monkeypatch):
     """Three blocks per step: the first step measures all three (no backward seen before its
-    end), the plan is made at the second step's first call for three blocks alive at once,
-    and every call after runs it -- bit-identical to no recompute."""
+    end), the plan is made at the second step's first call for three blocks alive at once
+    and what the step holds outside them, and every call after runs it -- bit-identical to no
+    recompute."""
     steps = 3
     ref = policy_runs.train(lambda: _Stack(False), "none", None, steps, rows=ROWS, d=D)
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "budget:0.9")
@@ -707,8 +812,10 @@ def test_a_step_of_several_blocks_is_planned_for_all_of_them_alive(fresh_plans, 
     plan = stats.snapshot()["plans"]["budget:0.9"]["Decoder"]
     assert (plan["live_blocks"], plan["measured_calls"]) == (3, 3), plan
     assert plan["input_bytes"] == ROWS * D * 4  # (the hidden state each block is handed)
-    a, i = plan["block_bytes"], plan["input_bytes"]
-    assert plan["chosen"] and abs(plan["budget_bytes"] - (0.9 * 3 * (a + i) - 3 * i - a)) < 2
+    a, i, o = plan["block_bytes"], plan["input_bytes"], plan["outside_bytes"]
+    assert o > 0  # (the host's allocator read: the loss and the gradients are outside)
+    assert plan["chosen"]
+    assert abs(plan["budget_bytes"] - (0.9 * (o + 3 * (a + i)) - o - 3 * i - a)) < 2
     planned = 3 * (steps - 1)
     gemms = sum(n.startswith("gemm:") for n in plan["chosen"])  # (one linear per weight)
     counters = stats.snapshot()["policy"]["budget:0.9"]

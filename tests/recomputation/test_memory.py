@@ -1,0 +1,66 @@
+"""The allocator statistics a ``budget:`` plan reads (:mod:`paddle_mgrad.recomputation.memory`):
+the host's on the CPU (Paddle 2.6 and 3.x), a GPU's by its device id (through a stand-in for
+Paddle's core: no GPU here), none elsewhere."""
+
+import types
+
+import paddle
+
+from paddle_mgrad.recomputation import memory
+
+
+def test_the_host_statistics_follow_an_allocation():
+    """A CPU tensor reads the host statistics: 1000·1000 float32 more allocated now, and the
+    peak at least that."""
+    allocated = memory.allocated_on(paddle.ones([1]))
+    before = allocated.now()
+    x = paddle.empty([1000, 1000], dtype="float32")
+    assert allocated.now() - before == 4_000_000
+    assert allocated.peak() >= allocated.now()
+    del x
+    assert allocated.now() == before
+
+
+class _Place:
+    def __init__(self, cpu=False, gpu=None):
+        self.cpu, self.gpu = cpu, gpu
+
+    def is_cpu_place(self):
+        return self.cpu
+
+    def is_gpu_place(self):
+        return self.gpu is not None
+
+    def gpu_device_id(self):
+        return self.gpu
+
+
+def _tensor(place):
+    return types.SimpleNamespace(place=place)
+
+
+def test_a_gpu_tensor_reads_its_devices_statistics(monkeypatch):
+    """A tensor on GPU 3 reads Paddle's device statistics of device 3 ("Allocated": what the
+    allocator handed out, not what it reserved)."""
+    asked = []
+
+    def stat(which):
+        return lambda name, device: asked.append((which, name, device)) or 7
+
+    core = types.SimpleNamespace(
+        device_memory_stat_current_value=stat("now"),
+        device_memory_stat_peak_value=stat("peak"),
+    )
+    monkeypatch.setattr(memory, "core", core)
+    allocated = memory.allocated_on(_tensor(_Place(gpu=3)))
+    assert (allocated.now(), allocated.peak()) == (7, 7)
+    assert asked == [("now", "Allocated", 3), ("peak", "Allocated", 3)]
+
+
+def test_places_without_statistics_read_none(monkeypatch):
+    """A place that is neither the host nor a GPU (XPU, a custom device), or a Paddle without
+    the statistics: None (the plan then counts no memory outside the blocks)."""
+    assert memory.allocated_on(_tensor(_Place())) is None
+    monkeypatch.setattr(memory, "core", types.SimpleNamespace())
+    assert memory.allocated_on(_tensor(_Place(cpu=True))) is None
+    assert memory.allocated_on(_tensor(_Place(gpu=0))) is None
