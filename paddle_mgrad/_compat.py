@@ -61,6 +61,19 @@ NO_ATTRS = types.MappingProxyType({})
 HAS_PADDLE_FUSED_WGRAD = hasattr(_C_ops, "fused_linear_param_grad_add")
 
 
+def _memory_stats(where):
+    now = getattr(core, f"{where}_memory_stat_current_value", None)
+    peak = getattr(core, f"{where}_memory_stat_peak_value", None)
+    return None if now is None or peak is None else (now, peak)
+
+
+#: the allocator's statistics of the host and of a GPU: ``(now, peak)``, each called as
+#: ``(stat name, device id)`` (2.6 and 3.x; a build without them: None) -- a ``budget:`` plan
+#: reads what a step holds (``recomputation.memory``)
+HOST_MEMORY_STATS = _memory_stats("host")
+DEVICE_MEMORY_STATS = _memory_stats("device")
+
+
 def run_custom_op():
     """Paddle's entry point for a custom op in dynamic mode, which the wrapper Paddle
     generates for our op calls: ``_C_ops._run_custom_op`` on 3.x, ``core.eager._run_custom_op``

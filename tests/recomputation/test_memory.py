@@ -1,11 +1,12 @@
 """The allocator statistics a ``budget:`` plan reads (:mod:`paddle_mgrad.recomputation.memory`):
-the host's on the CPU (Paddle 2.6 and 3.x), a GPU's by its device id (through a stand-in for
-Paddle's core: no GPU here), none elsewhere."""
+the host's on the CPU (Paddle 2.6 and 3.x), a GPU's by its device id (through stand-ins for
+Paddle's statistics: no GPU here), none elsewhere."""
 
 import types
 
 import paddle
 
+from paddle_mgrad import _compat
 from paddle_mgrad.recomputation import memory
 
 
@@ -47,11 +48,7 @@ def test_a_gpu_tensor_reads_its_devices_statistics(monkeypatch):
     def stat(which):
         return lambda name, device: asked.append((which, name, device)) or 7
 
-    core = types.SimpleNamespace(
-        device_memory_stat_current_value=stat("now"),
-        device_memory_stat_peak_value=stat("peak"),
-    )
-    monkeypatch.setattr(memory, "core", core)
+    monkeypatch.setattr(_compat, "DEVICE_MEMORY_STATS", (stat("now"), stat("peak")))
     allocated = memory.allocated_on(_tensor(_Place(gpu=3)))
     assert (allocated.now(), allocated.peak()) == (7, 7)
     assert asked == [("now", "Allocated", 3), ("peak", "Allocated", 3)]
@@ -61,6 +58,7 @@ def test_places_without_statistics_read_none(monkeypatch):
     """A place that is neither the host nor a GPU (XPU, a custom device), or a Paddle without
     the statistics: None (the plan then counts no memory outside the blocks)."""
     assert memory.allocated_on(_tensor(_Place())) is None
-    monkeypatch.setattr(memory, "core", types.SimpleNamespace())
+    monkeypatch.setattr(_compat, "HOST_MEMORY_STATS", None)
+    monkeypatch.setattr(_compat, "DEVICE_MEMORY_STATS", None)
     assert memory.allocated_on(_tensor(_Place(cpu=True))) is None
     assert memory.allocated_on(_tensor(_Place(gpu=0))) is None
