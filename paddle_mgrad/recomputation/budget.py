@@ -45,9 +45,9 @@ elementwise ops weigh more), so it is measured, not assumed:
   first block call (the allocator's peak, where the step raised it; else what it holds at each
   replay), less what full recompute's blocks hold then.  So that the step's peak is ``f`` times
   no recompute's, ``f·(O + L·(A + I))``, the plan may add ``f·(O + L·(A + I)) - O - L·I - A``
-  (:meth:`Planner.budget_bytes`, :meth:`Planner.costs`); with one block alive at a time, whose
-  peak no plan changes, ``f·A`` of its bytes.  Below what full recompute holds (two layers
-  hold about half) nothing but what costs no byte is kept.  Where Paddle keeps no allocator
+  (:meth:`Planner.accounting`); with one block alive at a time, whose peak no plan changes,
+  ``f·A`` of its bytes.  Below what full recompute holds (two layers hold about half) nothing
+  but what costs no byte is kept.  Where Paddle keeps no allocator
   statistics, ``O`` is 0; in a first step, gradient buffers allocated as its backward runs
   count as ``O`` (later steps hold them before they start): the plan errs toward memory.
 * **Choice**: one candidate at a time, the one that adds the most replay time per byte it adds
@@ -71,6 +71,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from typing import NamedTuple
 
 from .. import stats
 from ..autograd.recomputing import KeptOutputs
@@ -78,7 +79,7 @@ from .memory import allocated_on
 from .saved_sublayers import Sublayers, block_layers
 from .tensors import distinct_bytes, iter_tensors
 
-__all__ = ["MEASURED_CALLS", "Planner"]
+__all__ = ["MEASURED_CALLS", "BlockSaved", "Planner"]
 
 #: block calls of a kind measured (at least) before its plan is made
 MEASURED_CALLS = 3
@@ -136,6 +137,14 @@ class _Kind:
         self.chosen = None  # tuple of names once planned
 
 
+class BlockSaved(NamedTuple):
+    """What a measuring call's block saved for backward when its forward ended."""
+
+    activation_bytes: int  # its activations (``A``), each buffer once
+    input_bytes: int  # its tensor arguments that need a gradient (``I``)
+    data_ptrs: frozenset  # the buffers of those activations
+
+
 class _Measurement:
     """What a measuring :class:`Sublayers` reports to: its planner, its kind, the candidates'
     names by layer id and by weight id."""
@@ -145,19 +154,20 @@ class _Measurement:
     def __init__(self, planner, key, names, weights):
         self.planner, self.key, self.names, self.weights = planner, key, names, weights
 
-    def done(self, sublayers, kept, block_bytes, input_bytes=0, saved_ptrs=frozenset()):
-        """The measured call's forward ended: its figures by candidate name (``saved_ptrs``:
-        the data pointers of the block's saved activations, to tell which kept outputs
-        backward holds anyway)."""
+    def done(self, sublayers, kept, block: BlockSaved):
+        """The measured call's forward ended: its figures by candidate name, and what the
+        ``block`` saved (its saved buffers tell which kept outputs backward holds anyway)."""
         seconds, costs = dict(sublayers.times), dict(sublayers.costs)
         extras = dict(costs)  # (a sublayer's: all of it, measured: module docstring)
         for weight, (s, nbytes, outputs) in kept.keepable_timings().items():
             name = self.weights.get(weight)  # (one name per weight: summed by weight already)
             if name is not None:
                 seconds[name], costs[name] = s, nbytes
-                extras[name] = _unsaved_bytes(outputs, saved_ptrs)
+                extras[name] = _unsaved_bytes(outputs, block.data_ptrs)
         kept.timings.clear()  # (it holds the linears' outputs: not until backward)
-        self.planner.measured(self.key, seconds, costs, block_bytes, input_bytes, extras)
+        self.planner.measured(
+            self.key, seconds, costs, block.activation_bytes, block.input_bytes, extras
+        )
 
 
 def _never(x, weight, y) -> bool:
@@ -171,9 +181,12 @@ def _chosen_weight(ids, x, weight, y) -> bool:
 class Planner:
     """The plans of one ``budget:`` policy (module docstring)."""
 
-    def __init__(self, name: str, fraction: float):
+    def __init__(self, name: str, fraction: float, live_blocks: int = None):
+        """``live_blocks``: plan for that many block calls alive at once (from the first
+        backward on, as counted ones are) instead of the counted number."""
         self.name = name
         self.fraction = fraction
+        self.live_blocks = live_blocks
         self.kinds: dict = {}
         self.lock = threading.Lock()
         self.forwards = 0  # block calls since the last replay
@@ -183,8 +196,8 @@ class Planner:
         self.memory = _UNSET
         self._step = None  # (allocated, peak) at the measured step's first block call
         self.step_bytes = 0  # the most a measured step held above that
-        # root Layer -> the ids of the weights whose linears its plan keeps
-        self._weight_ids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # root Layer -> what its plan keeps: (sublayers, weight ids)
+        self._planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def plan(self, function, args, kwargs):
         """``(KeptOutputs or None, Sublayers or None)`` of one call of the block: measuring
@@ -197,7 +210,6 @@ class Planner:
             return None, None
         root = roots[0]
         key = _kind(root)
-        children = dict(root.named_children())
         with self.lock:
             first = not self.forwards  # (the first call since a replay: a step's first)
             self.forwards += 1
@@ -209,6 +221,7 @@ class Planner:
         if first:
             self._step_starts(chosen is None, args, kwargs)
         if chosen is None:
+            children = dict(root.named_children())
             weights = {id(p): GEMM + name for name, p in root.named_parameters()}
             if not children and not weights:
                 return None, None
@@ -218,19 +231,24 @@ class Planner:
                 KeptOutputs(_never, timings={}),
                 Sublayers(tuple(children.values()), measurement),
             )
-        layers = tuple(children[n] for n in chosen if n in children)
-        ids = self._chosen_weights(root, chosen)
+        layers, ids = self._planned_parts(root, chosen)
         kept = KeptOutputs(functools.partial(_chosen_weight, ids)) if ids else None
         return kept, Sublayers(layers) if layers else None
 
-    def _chosen_weights(self, root, chosen):
+    def _planned_parts(self, root, chosen):
+        """The sublayers of ``root`` its plan keeps whole, and the ids of the weights whose
+        linears' outputs it keeps (looked up once per Layer: a model's structure is fixed)."""
         with self.lock:
-            ids = self._weight_ids.get(root)
-            if ids is None:
-                ids = self._weight_ids[root] = frozenset(
-                    id(p) for name, p in root.named_parameters() if GEMM + name in chosen
+            parts = self._planned.get(root)
+            if parts is None:
+                children = dict(root.named_children())
+                parts = self._planned[root] = (
+                    tuple(children[n] for n in chosen if n in children),
+                    frozenset(
+                        id(p) for name, p in root.named_parameters() if GEMM + name in chosen
+                    ),
                 )
-        return ids
+        return parts
 
     def measured(
         self,
@@ -280,7 +298,7 @@ class Planner:
         bound: an earlier peak, not reset since, hides the step's)."""
         with self.lock:
             if self.forwards:
-                self.live = max(self.live, self.forwards)
+                self.live = self.live_blocks or max(self.live, self.forwards)
                 self.forwards = 0
             if self._step is not None:
                 before, peak_before = self._step
@@ -304,16 +322,23 @@ class Planner:
         stats.set_plan(self.name, kind.label, report)
         return kind.chosen
 
-    def budget_bytes(self, kind) -> float:
-        """What the plan of ``kind`` may add to a step's memory over full recompute (module
-        docstring): ``f·(O + L·(A + I)) - O - L·I - A`` with ``L`` blocks alive at once and
-        ``O`` held outside them (never below 0); with one alive at a time, ``f·A``."""
-        calls = kind.calls
-        a, i, n = kind.block_bytes / calls, kind.input_bytes / calls, self.live
+    def accounting(self, kind):
+        """``(budget, costs)`` of ``kind`` (module docstring): what its plan may add to a
+        step's memory over full recompute, ``f·(O + L·(A + I)) - O - L·I - A`` with ``L``
+        blocks alive at once and ``O`` held outside them (never below 0); and what keeping
+        each measured candidate adds, its bytes in every other block alive and in the block
+        being recomputed what backward would not hold anyway (a kept linear output that no op
+        saves: the replay saves what it computes from it).  With one block alive at a time,
+        whose peak no plan changes: ``f·A``, and each candidate's bytes."""
+        calls, n = kind.calls, self.live
+        a, i = kind.block_bytes / calls, kind.input_bytes / calls
+        measured = [name for name in kind.names if kind.seconds[name]]
         if n <= 1:
-            return self.fraction * a
+            return self.fraction * a, {name: kind.bytes[name] / calls for name in measured}
         o = self.outside_bytes(kind)
-        return max(0.0, self.fraction * (o + n * (a + i)) - o - n * i - a)
+        budget = max(0.0, self.fraction * (o + n * (a + i)) - o - n * i - a)
+        costs = {name: ((n - 1) * kind.bytes[name] + kind.extra[name]) / calls for name in measured}
+        return budget, costs
 
     def outside_bytes(self, kind) -> float:
         """What a measured step held at its peak outside the blocks of ``kind`` (``O``:
@@ -325,20 +350,8 @@ class Planner:
         a, i = kind.block_bytes / calls, kind.input_bytes / calls
         return max(0.0, self.step_bytes - (self.live - 1) * i - a)
 
-    def costs(self, kind) -> dict:
-        """What keeping each measured candidate adds to the blocks' memory over full
-        recompute: its bytes in every other block alive, and in the block being recomputed
-        what backward would not hold anyway (a kept linear output that no op saves: the
-        replay saves what it computes from it); with one block alive at a time, its bytes."""
-        calls, n = kind.calls, self.live
-        measured = [name for name in kind.names if kind.seconds[name]]
-        if n <= 1:
-            return {name: kind.bytes[name] / calls for name in measured}
-        return {name: ((n - 1) * kind.bytes[name] + kind.extra[name]) / calls for name in measured}
-
     def _choose(self, kind):
-        budget = self.budget_bytes(kind)
-        nbytes = self.costs(kind)  # (a candidate never called spares nothing: none)
+        budget, nbytes = self.accounting(kind)  # (a candidate never called costs: none)
         seconds = {n: kind.seconds[n] for n in nbytes}
         chosen, taken = set(), 0.0
         for _ in range(len(seconds)):  # (each round takes one; none is taken twice)
@@ -367,7 +380,7 @@ class Planner:
         calls = kind.calls
         return {
             "chosen": list(kind.chosen),
-            "budget_bytes": int(self.budget_bytes(kind)),
+            "budget_bytes": int(self.accounting(kind)[0]),
             "block_bytes": kind.block_bytes // calls,
             "input_bytes": kind.input_bytes // calls,
             "outside_bytes": int(self.outside_bytes(kind)),

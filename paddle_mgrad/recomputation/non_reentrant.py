@@ -64,6 +64,7 @@ from . import (
     saved_hooks as _hooks,
     saved_sublayers as _saved_sublayers,
 )
+from .budget import BlockSaved
 from .tensors import (
     FINGERPRINT_FIELDS,
     buffer_sharing_tensor,
@@ -201,9 +202,7 @@ class _Frame:
         cycle through C++ that no garbage collector sees, and the block's graph would live
         for good)."""
         measured = self.sublayers is not None and self.sublayers.measure is not None
-        activations = self.activation_bytes() if measured else 0
-        inputs = self.input_bytes() if measured else 0
-        ptrs = frozenset(x.data_ptr() for _, x in self.pending) if measured else frozenset()
+        block = self.saved() if measured else None
         pending, self.pending = self.pending, None
         changed = self._release_changed_arguments()
         if changed:
@@ -217,9 +216,7 @@ class _Frame:
                 self.sublayers,
                 recomputed=not changed,
                 saved_bytes=saved,
-                activation_bytes=activations,
-                input_bytes=inputs,
-                saved_ptrs=ptrs,
+                block=block,
             )
         if changed:
             holders = self.holders
@@ -229,6 +226,15 @@ class _Frame:
                     holder.kept = True
                     holder.value = detached_view(x)
         self.arg_tensors = None  # (the arguments themselves stay in self.args)
+
+    def saved(self) -> BlockSaved:
+        """While the forward runs: what the block saved so far, as a measuring call of a
+        ``budget:`` plan reports it."""
+        return BlockSaved(
+            self.activation_bytes(),
+            self.input_bytes(),
+            frozenset(x.data_ptr() for _, x in self.pending),
+        )
 
     def activation_bytes(self, start: int = 0, outputs=()) -> int:
         """While the forward runs: the bytes of the activations saved since saved tensor

@@ -157,18 +157,14 @@ def forward_done(
     sublayers,
     recomputed: bool,
     saved_bytes: int,
-    activation_bytes: int,
-    input_bytes: int = 0,
-    saved_ptrs: frozenset = frozenset(),
+    block: Optional[_budget.BlockSaved] = None,
 ):
     """A block's forward under ``policy`` returned: drop what cannot be handed back (all of it
     when the block will not be ``recomputed``), count the call; a ``budget:`` policy's
-    measuring call reports what it measured (``activation_bytes``, ``input_bytes``: the
-    block's activations and its arguments that need a gradient; ``saved_ptrs``: the data
-    pointers of those activations).  ``saved_bytes``: what the kept sublayers keep (their saved
-    activations and outputs)."""
+    measuring call reports what it measured and what the ``block`` saved.  ``saved_bytes``:
+    what the kept sublayers keep (their saved activations and outputs)."""
     if sublayers is not None and sublayers.measure is not None:
-        sublayers.measure.done(sublayers, kept, activation_bytes, input_bytes, saved_ptrs)
+        sublayers.measure.done(sublayers, kept, block)
     if not recomputed:
         if kept is not None:
             kept.entries.clear()

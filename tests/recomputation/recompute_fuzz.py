@@ -260,21 +260,16 @@ def run_case(case, how):
     if not case.policy.startswith("budget:") or how == "none" or how.startswith("native"):
         return _run_case(case, how)
     measured_calls = budget.MEASURED_CALLS
-    replayed = budget.Planner.replayed
     policy_mod._NAMED.pop(case.policy, None)
     budget.MEASURED_CALLS = 1
     if case.policy == ONE_BLOCK:
-        budget.Planner.replayed = _one_block_alive
+        planner = budget.Planner(case.policy, 1.0, live_blocks=1)
+        policy_mod._NAMED[case.policy] = policy_mod.Policy(case.policy, gemm=False, planner=planner)
     try:
         return _run_case(case, how)
     finally:
         budget.MEASURED_CALLS = measured_calls
-        budget.Planner.replayed = replayed
         policy_mod._NAMED.pop(case.policy, None)
-
-
-def _one_block_alive(planner):
-    planner.live = 1
 
 
 def _run_case(case, how):

@@ -161,10 +161,11 @@ def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
     kind.chosen = ()
     assert planner.plan(net, (), {}) == (None, None)
     kind.chosen = ("mlp",)
+    planner._planned.clear()  # (a Layer's plan is looked up once)
     kept, sublayers = planner.plan(net, (), {})
     assert kept is None and sublayers.layers == (net.mlp,)
     kind.chosen = ("gemm:self_attn.q_proj.weight",)
-    planner._weight_ids.clear()
+    planner._planned.clear()
     kept, sublayers = planner.plan(net, (), {})
     assert sublayers is None
     x = paddle.ones([2, D])
@@ -240,6 +241,11 @@ def test_blocks_alive_at_once_are_the_most_calls_between_two_replays(fresh_plans
     assert (planner.live, planner.forwards) == (4, 0)
     assert planner.choose(key) == ("a",)
     assert stats.snapshot()["plans"]["budget:test"]["Block"]["live_blocks"] == 4
+    planner = budget.Planner("budget:fixed", 1.0, live_blocks=1)  # (told, not counted)
+    assert planner.live == 0
+    planner.forwards = 4
+    planner.replayed()
+    assert (planner.live, planner.forwards) == (1, 0)
 
 
 class _Allocator:
