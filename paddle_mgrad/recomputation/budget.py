@@ -256,7 +256,7 @@ class Planner:
         seconds: dict,
         costs: dict,
         block_bytes: int,
-        input_bytes: int = 0,
+        input_bytes: int,
         extras: dict = None,
     ):
         """One measured block call is done (its forward): add its figures (seconds, bytes and

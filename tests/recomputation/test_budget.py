@@ -101,6 +101,7 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
             {"a": slow, "b": 1.0, "c": 1.0, "free": 0.5},
             {"a": 100, "b": 10, "c": 50, "free": 0},
             200,
+            0,
         )
     assert _plan(planner, key) == planner.kinds[key].chosen == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
@@ -128,6 +129,7 @@ def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
             {"a": 2.0 * slow, "b": 3.0 * slow, "c": 8.0 * slow},
             {"a": 10 + last, "b": 20, "c": 25},
             100 + last,
+            0,
         )
     assert _plan(planner, key) == ("a", "c")
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
@@ -145,7 +147,7 @@ def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates
     key = ("Block", names)
     planner.kinds[key] = budget._Kind("Block", names)
     for call in range(budget.MEASURED_CALLS):
-        planner.measured(key, {"one": 1.0, "free": 1.0}, {"one": int(call == 0)}, 0)
+        planner.measured(key, {"one": 1.0, "free": 1.0}, {"one": int(call == 0)}, 0, 0)
     assert _plan(planner, key) == ("free",)
 
 
@@ -176,7 +178,7 @@ def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
 
 def _measure(planner, key, seconds, costs, calls=budget.MEASURED_CALLS, block_bytes=200):
     for _ in range(calls):
-        planner.measured(key, dict(seconds), dict(costs), block_bytes)
+        planner.measured(key, dict(seconds), dict(costs), block_bytes, 0)
     _plan(planner, key)
 
 
@@ -220,6 +222,10 @@ def test_the_budget_bounds_the_memory_of_all_blocks_alive_at_once(
     assert (report["budget_bytes"], report["live_blocks"]) == (budget_bytes, live)
     assert (report["block_bytes"], report["input_bytes"]) == (100, 10)
     assert report["measured_calls"] == budget.MEASURED_CALLS
+    # (whole bytes, as every counter of paddle_mgrad.stats: 10 and 10.0 compare equal)
+    figures = [report[k] for k in ("budget_bytes", "block_bytes", "input_bytes", "outside_bytes")]
+    figures += [m[k] for m in report["measured"].values() for k in ("bytes", "extra_bytes")]
+    assert all(type(f) is int for f in figures), report
 
 
 def test_blocks_alive_at_once_are_the_most_calls_between_two_replays(fresh_plans):
@@ -231,7 +237,7 @@ def test_blocks_alive_at_once_are_the_most_calls_between_two_replays(fresh_plans
     key = ("Block", names)
     planner.kinds[key] = budget._Kind("Block", names)
     for _ in range(budget.MEASURED_CALLS):
-        planner.measured(key, {"a": 1.0}, {"a": 10}, 100)
+        planner.measured(key, {"a": 1.0}, {"a": 10}, 100, 0)
     assert planner.choose(key) is None  # (no backward seen: how many alive is unknown)
     planner.forwards = 4
     for _ in range(4):
@@ -307,6 +313,21 @@ def test_memory_outside_the_blocks_shrinks_the_budget(
     assert planner.choose(key) == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert (report["outside_bytes"], report["budget_bytes"]) == (outside, budget_bytes)
+
+
+def test_blocks_without_a_layer_are_alive_too_and_keywords_find_the_place(fresh_plans):
+    """A block whose function reaches no Layer is recomputed whole, and alive until its
+    backward all the same: two such calls, then a replay, are two alive.  A step whose first
+    call hands its tensors by keyword reads the allocator of their place."""
+    planner = budget.Planner("budget:test", 0.5)
+    x = paddle.ones([ROWS, D])
+    for _ in range(2):
+        assert planner.plan(lambda h: h * 2, (x,), {}) == (None, None)
+    planner.replayed()
+    assert planner.live == 2
+    planner = budget.Planner("budget:keywords", 0.5)
+    planner.plan(Decoder(), (), {"h": x})
+    assert planner.memory is not None and planner.memory.now() > 0
 
 
 def test_a_step_is_read_from_its_first_call_to_its_largest_replay(fresh_plans):
