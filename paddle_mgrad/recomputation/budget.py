@@ -47,9 +47,9 @@ elementwise ops weigh more), so it is measured, not assumed:
   no recompute's, ``f·(O + L·(A + I))``, the plan may add ``f·(O + L·(A + I)) - O - L·I - A``
   (:meth:`Planner.accounting`); with one block alive at a time, whose peak no plan changes,
   ``f·A`` of its bytes.  Below what full recompute holds (two layers hold about half) nothing
-  but what costs no byte is kept.  Where Paddle keeps no allocator
-  statistics, ``O`` is 0; in a first step, gradient buffers allocated as its backward runs
-  count as ``O`` (later steps hold them before they start): the plan errs toward memory.
+  but what costs no byte is kept.  Where Paddle keeps no allocator statistics, ``O`` is 0; in
+  a first step, gradient buffers allocated as its backward runs count as ``O`` (later steps
+  hold them before they start): the plan errs toward memory.
 * **Choice**: one candidate at a time, the one that adds the most replay time per byte it adds
   (bytes as the budget counts them), among those that still fit within the budget.  A sublayer
   taken whole replaces the linears inside it already taken: it adds its time and bytes less
