@@ -86,3 +86,13 @@ def cpu_backend(backend):
     """The CPU tier of a backend string such as ``"cpp-onednn+cuda"`` or
     ``"cpp-portable;gpu=python"`` (on a CPU Paddle, the whole string)."""
     return re.split(r"[+;]", backend, maxsplit=1)[0]
+
+
+def nonzero_biases(layer):
+    """``layer`` with every bias of its sublayers drawn at random (Paddle's global generator):
+    Paddle initialises biases to zeros, and a path that drops a bias, or adds it twice, gives
+    the same numbers as the right one while they are."""
+    for name, p in layer.named_parameters():
+        if name.rsplit(".", 1)[-1] == "bias":
+            p.set_value(paddle.uniform(p.shape, dtype=p.dtype, min=-0.5, max=0.5))
+    return layer

@@ -9,6 +9,7 @@ from paddle.distributed.fleet.layers.mpu import mp_layers
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from helpers import nonzero_biases
 from paddle_mgrad import stats
 from paddle_mgrad.fleet.overlap_linear import OverlapLinearWithGradAdd
 
@@ -198,19 +199,26 @@ def test_paddle_grad_returns_plain_gradients(reduced, wrt):
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("policy", ["full", "gemm"])
+@pytest.mark.parametrize("policy", ["full", "gemm", "gemm_in_place"])
 def test_under_a_recompute_policy_as_without_recompute(reduced, policy, use_reentrant):
     """The overlap linear inside a recompute block (fleet's TP column linear under PaddleNLP's
     recompute): output, input gradient and ``main_grad`` bit-identical to the block run without
     recompute, with the dx all-reduce done once per backward; under ``gemm`` the recomputation
-    hands back the output kept from the forward instead of multiplying again."""
+    hands back the output kept from the forward instead of multiplying again -- unless the
+    output is changed in place after it (``gemm_in_place``): then it multiplies again, bias
+    included."""
     paddle.seed(3)
-    layer = paddle.nn.Linear(8, 6)
+    layer = nonzero_biases(paddle.nn.Linear(8, 6))
     MixPrecisionLayer(layer, dtype="bfloat16")
     x_np = np.random.RandomState(5).standard_normal((2, 5, 8)).astype("float32")
+    in_place = policy == "gemm_in_place"
+    policy = "gemm" if in_place else policy
 
     def block(x):
-        return paddle.tanh(_apply(mp_layers.InnerOverlapLinear, x, layer, True)) * 2.0
+        y = _apply(mp_layers.InnerOverlapLinear, x, layer, True)
+        if in_place:
+            y.scale_(3.0)
+        return paddle.tanh(y) * 2.0
 
     def run(recompute):
         for p in layer.parameters():
@@ -236,7 +244,9 @@ def test_under_a_recompute_policy_as_without_recompute(reduced, policy, use_reen
         paddle_mgrad.disable()
     for a, b in zip(ours, plain):
         np.testing.assert_array_equal(a, b)
-    if policy == "gemm":
+    if in_place:
+        assert counters["gemm"]["gemms_not_recomputed"] == 0
+    elif policy == "gemm":
         assert counters["gemm"]["gemms_not_recomputed"] == 1
         assert counters["gemm"]["kept_bytes"] == 2 * 5 * 6 * 4
     else:

@@ -4,6 +4,8 @@ policies (test_saved_sublayers.py, test_budget.py)."""
 
 import paddle
 
+from helpers import nonzero_biases
+
 D, F, ROWS = 8, 12, 5
 
 
@@ -52,6 +54,7 @@ class Decoder(paddle.nn.Layer):
         self.mlp = MLP(inside)
         self.dropout = paddle.nn.Dropout(0.1)
         self.after = after
+        nonzero_biases(self)
 
     def forward(self, h):
         h = h + self.dropout(self.self_attn(self.input_layernorm(h)))

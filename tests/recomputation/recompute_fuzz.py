@@ -28,6 +28,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from helpers import nonzero_biases
 from paddle_mgrad.recomputation import budget, policy as policy_mod
 
 D = 4  # feature width: tiny, the point is the graph, not the numbers
@@ -156,6 +157,7 @@ class Net(paddle.nn.Layer):
         if case.tied:
             self.lin_b.weight = self.lin_a.weight
         self.extra = self.create_parameter([D, D])
+        nonzero_biases(self)
         self.rc = None  # how the nested recompute is called (set by run_case)
 
     def named(self):
