@@ -380,6 +380,29 @@ def test_the_pylayer_called_without_route_facts_checks_against_the_parameter_dty
     assert b.main_grad.dtype == paddle.float64
 
 
+def test_the_checked_backward_names_each_tensors_dtype_once(monkeypatch):
+    """The checked backward (here: the PyLayer applied without route facts) names the dtypes of
+    ``x``, ``dy`` and the weight once and hands the names on, to ``dx``'s product and to the
+    weight-gradient rules; the bias' ``main_grad`` rule names the bias and its ``main_grad``,
+    the weight's its ``main_grad``: six questions, each tensor's dtype once (every one is a
+    pybind call)."""
+    rs = np.random.RandomState(4)
+    w = paddle.create_parameter([5, 3], "float32")
+    b = paddle.create_parameter([3], "float32", is_bias=True)
+    w.main_grad, b.main_grad = paddle.zeros([5, 3]), paddle.zeros([3])
+    x = paddle.to_tensor(rs.standard_normal([4, 5]).astype("float32"))
+    x.stop_gradient = False
+    y = L.FusedLinearWithGradAdd.apply(x, w, b)
+    asked = []
+    real = L._dtname
+    monkeypatch.setattr(L, "_dtname", lambda dtype: asked.append(dtype) or real(dtype))
+    (y**2).sum().backward()
+    assert len(asked) == 6
+    dy = 2 * (x.numpy() @ w.numpy() + b.numpy())
+    np.testing.assert_allclose(w.main_grad.numpy(), x.numpy().T @ dy, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), dy @ w.numpy().T, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------- the linear's common-case backward (_backward_fast)
 def _spy_backward_fast(monkeypatch):
     """Record, per backward of our linear, whether its common-case path did the work."""

@@ -294,21 +294,25 @@ def test_incubate_transpose_weight_dx(bias, n):
             b = paddle.create_parameter([n], "float32", is_bias=True)
             b.set_value(bn)
         w.main_grad = None
-        x = paddle.to_tensor(xn)
-        x.stop_gradient = False
-        before = stats.linear["backward"]
-        y = inc(x, w, b, transpose_weight=True)
-        (y * y).sum().backward()
-        assert stats.linear["backward"] == before + 1
+        ptrs = []
+        for _ in range(2):  # the second micro-step accumulates into the first one's main_grad
+            x = paddle.to_tensor(xn)
+            x.stop_gradient = False
+            before = stats.linear["backward"]
+            y = inc(x, w, b, transpose_weight=True)
+            (y * y).sum().backward()
+            assert stats.linear["backward"] == before + 1
+            ptrs.append(w.main_grad.data_ptr())
     finally:
         paddle_mgrad.disable()
+    assert ptrs[0] == ptrs[1]
     x64, w64 = xn.astype("f8"), wn.astype("f8")
     y64 = x64 @ w64.T + (bn.astype("f8") if bias else 0)
     dy = 2 * y64
     np.testing.assert_allclose(y.numpy(), y64, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(x.grad.numpy(), dy @ w64, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
-        w.main_grad.numpy(), dy.reshape(-1, n).T @ x64.reshape(-1, 6), rtol=1e-5, atol=1e-4
+        w.main_grad.numpy(), 2 * dy.reshape(-1, n).T @ x64.reshape(-1, 6), rtol=1e-5, atol=1e-4
     )
 
 
@@ -538,10 +542,10 @@ def test_float64_parameter_main_grad_follows_the_accumulator_rule():
 
 
 @pytest.mark.parametrize("set_to_zero", [True, False], ids=["zero", "none"])
-@pytest.mark.parametrize("other_use", ["matmul", "second_linear"])
+@pytest.mark.parametrize("other_use", ["matmul", "second_linear", "matmul_and_bias"])
 def test_shared_weight_after_clear_grad(set_to_zero, other_use):
-    """A weight used by the fused linear and by another op, optimizer.clear_grad() between
-    steps: .grad equals plain Paddle's every step.  clear_grad(set_to_zero=True) (the default)
+    """A weight (and a bias: ``matmul_and_bias``) used by the fused linear and by another op,
+    optimizer.clear_grad() between steps: .grad equals plain Paddle's every step.  clear_grad(set_to_zero=True) (the default)
     marks .grad "fake empty", so Paddle *replaces* it with the next gradient it accumulates --
     before the fix that dropped the dW the fused op had just added in place (half the
     gradient, silently)."""
@@ -557,11 +561,12 @@ def test_shared_weight_after_clear_grad(set_to_zero, other_use):
             for step in range(3):
                 x = paddle.to_tensor(np.full([2, 4], step + 1.0, "float32"))
                 h = lin(x)
-                z = (
-                    paddle.matmul(h, lin.weight)
-                    if other_use == "matmul"
-                    else paddle.nn.functional.linear(paddle.tanh(h), lin.weight)
-                )
+                if other_use == "second_linear":
+                    z = paddle.nn.functional.linear(paddle.tanh(h), lin.weight)
+                else:
+                    z = paddle.matmul(h, lin.weight)
+                if other_use == "matmul_and_bias":
+                    z = z + lin.bias
                 (z * z).sum().backward()
                 grads.append([p.grad.numpy() for p in lin.parameters()])
                 opt.clear_grad(set_to_zero=set_to_zero)
