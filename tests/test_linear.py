@@ -545,10 +545,10 @@ def test_float64_parameter_main_grad_follows_the_accumulator_rule():
 @pytest.mark.parametrize("other_use", ["matmul", "second_linear", "matmul_and_bias"])
 def test_shared_weight_after_clear_grad(set_to_zero, other_use):
     """A weight (and a bias: ``matmul_and_bias``) used by the fused linear and by another op,
-    optimizer.clear_grad() between steps: .grad equals plain Paddle's every step.  clear_grad(set_to_zero=True) (the default)
-    marks .grad "fake empty", so Paddle *replaces* it with the next gradient it accumulates --
-    before the fix that dropped the dW the fused op had just added in place (half the
-    gradient, silently)."""
+    optimizer.clear_grad() between steps: .grad equals plain Paddle's every step.
+    clear_grad(set_to_zero=True) (the default) marks .grad "fake empty", so Paddle *replaces*
+    it with the next gradient it accumulates: unless the fused op's in-place write clears the
+    mark, the dW it had just added is dropped (half the gradient, silently)."""
 
     def run(ours):
         if ours:

@@ -305,4 +305,3 @@ def test_under_a_recompute_policy_as_without_recompute(
     assert len(gathers) == 2 * (1 + (policy == "full" or not recompute_allgather))
     if policy == "gemm":
         assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 2
-
