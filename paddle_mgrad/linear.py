@@ -375,9 +375,8 @@ def _fused_grads(x, dy, weight, bias, transpose_weight, names=None):
             )
     if want_b and db is None:
         db = dy.reshape([-1, dy.shape[-1]]).astype(mp_name).sum(axis=0)
-        if b_acc is not None:
+        if b_acc is not None:  # (then nothing below hands db on)
             b_acc.add_(db.astype(b_acc.dtype))
-            db = b_acc
 
     if w_kind == "grad":
         _written(weight)
