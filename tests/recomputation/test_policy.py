@@ -14,6 +14,7 @@ from paddle.distributed.fleet.utils import recompute as paddles_recompute
 from policy_runs import assert_identical
 
 import paddle_mgrad
+from helpers import nonzero_biases
 from paddle_mgrad import EnvError, linear, stats
 from paddle_mgrad.autograd import recomputing
 from paddle_mgrad.recomputation import policy as policy_mod
@@ -34,6 +35,7 @@ class MLP(paddle.nn.Layer):
         self.up = paddle.nn.Linear(D, F, bias_attr=bias_attr)
         self.down = paddle.nn.Linear(F, D, bias_attr=bias_attr)
         self.op, self.where = op, where
+        nonzero_biases(self)
 
     def block(self, h):
         g = self.gate(h)
@@ -541,3 +543,24 @@ def test_gemm_policy_recomputes_a_frozen_linear(mode):
     got = train_net(FrozenGateMLP, mode, "gemm")
     assert_identical(got, ref)
     assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 2 * 2
+
+
+class NoGradGateMLP(MLP):
+    """:class:`MLP` whose gate runs in a no-grad region: its output needs no gradient (the
+    ops after it save nothing of it), and ``gemm`` keeps it all the same."""
+
+    def block(self, h):
+        with paddle.no_grad():
+            g = self.gate(h)
+        return self.down(paddle.nn.functional.silu(g) * self.up(h))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_kept_output_that_needed_no_gradient_comes_back_as_one(mode):
+    """The recomputation hands the no-grad gate's kept output back needing no gradient, as the
+    forward made it: the ops after it then save what they saved in the forward."""
+    ref = train_net(NoGradGateMLP, "none")
+    stats.reset()
+    got = train_net(NoGradGateMLP, mode, "gemm")
+    assert_identical(got, ref)
+    assert stats.snapshot()["policy"]["gemm"]["gemms_not_recomputed"] == 2 * 3
