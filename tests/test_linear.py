@@ -179,6 +179,25 @@ def test_incubate_fused_linear_transpose_weight():
         paddle_mgrad.disable()
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_weight_of_another_shape_met_by_a_recomputation_raises_our_error(use_reentrant):
+    """The block's weight swapped after its forward for one of another inner dimension: the
+    recomputation's linear raises the error naming the shapes, and ``backward()`` raises it as
+    itself, not as Paddle's error around it; grad mode is on again afterwards."""
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        lin = paddle.nn.Linear(4, 3)
+        x = paddle.randn([2, 4])
+        x.stop_gradient = False
+        y = paddle_mgrad.recompute(lambda t: paddle.tanh(lin(t)), x, use_reentrant=use_reentrant)
+        lin.weight = paddle.create_parameter([5, 3], "float32")
+        with pytest.raises(FusedLinearError, match=r"x \[2, 4\] does not match weight \[5, 3\]"):
+            y.sum().backward()
+        assert paddle.is_grad_enabled()
+    finally:
+        paddle_mgrad.disable()
+
+
 def test_bad_shapes_raise():
     w = paddle.create_parameter([5, 3], "float32")
     with pytest.raises(FusedLinearError, match=r"\[4, 7\]"):

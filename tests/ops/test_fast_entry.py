@@ -334,7 +334,8 @@ def test_route_answers_as_python(entry, args):
 )
 def test_route_answers_zero_sizes_as_python(entry, x_shape, w_shape, bias):
     """Zero-size products (rare in drawn examples): the same answer from both routes -- ours,
-    without the fast backward's common case where K or N is 0."""
+    without the fast backward's common case where K or N is 0.  The Python route checks no
+    ``main_grad`` (``main_grads`` False: the forward checks them)."""
     w = paddle.zeros(w_shape)  # (Paddle 2.6 makes no zero-size parameter)
     b = paddle.zeros(w_shape[1:]) if bias else None
     for t in (w, b):
@@ -345,6 +346,7 @@ def test_route_answers_zero_sizes_as_python(entry, x_shape, w_shape, bias):
     ops.fast_route = None
     try:
         slow = _answer(x, w, b, False)
+        assert routing.route(x, w, b, False).main_grads is False
     finally:
         ops.fast_route = entry.route
     assert fast == slow
