@@ -49,7 +49,7 @@ from .autograd import (
     passes as autograd_passes,
     recomputing as _recomputing,
 )
-from .errors import FusedLinearError
+from .errors import EnvError, FusedLinearError
 from .registry import original
 from .routing import route
 
@@ -177,11 +177,12 @@ def weight_and_bias_grads(x, dy, weight, bias, transpose_weight, names=None):
     """Run the fused op once for weight (and bias); returns grads to hand to Paddle.
 
     Runs in backward: a :class:`FusedLinearError` (say, a ``main_grad`` swapped for one of
-    another shape after the forward) is recorded so that it reaches the caller of
-    ``backward()`` as itself, not as Paddle's ``OSError`` (:mod:`.autograd.backward_errors`)."""
+    another shape after the forward) or an :class:`EnvError` (a variable the op reads holds
+    garbage) is recorded so that it reaches the caller of ``backward()`` as itself, not as
+    Paddle's ``OSError`` (:mod:`.autograd.backward_errors`)."""
     try:
         return _fused_grads(x, dy, weight, bias, transpose_weight, names)
-    except FusedLinearError as e:
+    except (FusedLinearError, EnvError) as e:
         backward_errors.record(e)
         raise
 

@@ -403,6 +403,39 @@ def test_the_checked_backward_names_each_tensors_dtype_once(monkeypatch):
     np.testing.assert_allclose(x.grad.numpy(), dy @ w.numpy().T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("value", ["fastest", "1; rm -rf /", ""])
+def test_a_bad_cpu_knob_of_the_inputs_dtype_is_named_by_backward(monkeypatch, value):
+    """A garbage value in a variable the CPU op reads for the inputs' dtype (float64:
+    ``PADDLE_MGRAD_CPU_FP64_KERNEL``): the fast path steps aside, and ``backward()`` raises the
+    checked path's :class:`EnvError` naming the variable -- as itself, not as Paddle's bare
+    error around a PyLayer's backward -- and writes nothing; the next step, the variable
+    fixed, is clean."""
+    require_cpp_op()
+    monkeypatch.setenv("PADDLE_MGRAD_CPU_FP64_KERNEL", value)
+    paddle.seed(2)
+    lin = paddle.nn.Linear(5, 3)
+    lin.to(dtype="float64")
+    for p in lin.parameters():
+        p.main_grad = None
+    x = paddle.randn([4, 5], "float64")
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        if value == "":  # (empty: unset, the default kernel)
+            (lin(x) ** 2).sum().backward()
+            assert lin.weight.main_grad is not None
+            return
+        with pytest.raises(paddle_mgrad.EnvError, match="PADDLE_MGRAD_CPU_FP64_KERNEL"):
+            (lin(x) ** 2).sum().backward()
+        assert lin.weight.main_grad is None and lin.bias.main_grad is None
+        assert paddle.is_grad_enabled()
+        monkeypatch.delenv("PADDLE_MGRAD_CPU_FP64_KERNEL")
+        (lin(x) ** 2).sum().backward()
+        dy = 2 * (x.numpy() @ lin.weight.numpy() + lin.bias.numpy())
+        np.testing.assert_allclose(lin.weight.main_grad.numpy(), x.numpy().T @ dy, rtol=1e-12)
+    finally:
+        paddle_mgrad.disable()
+
+
 # ------------------------------------------- the linear's common-case backward (_backward_fast)
 def _spy_backward_fast(monkeypatch):
     """Record, per backward of our linear, whether its common-case path did the work."""
