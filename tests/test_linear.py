@@ -7,7 +7,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from helpers import PADDLE2
+from helpers import PADDLE2, nonzero_biases
 from paddle_mgrad import FusedLinearError, FusedLinearWithGradAdd, fused_linear, stats
 
 
@@ -18,6 +18,7 @@ class Net(paddle.nn.Layer):
         super().__init__()
         self.a = paddle.nn.Linear(d_in, d_hidden, bias_attr=None if bias else False)
         self.b = paddle.nn.Linear(d_hidden, d_out, bias_attr=None if bias else False)
+        nonzero_biases(self)
 
     def forward(self, x):
         h = paddle.tanh(fused_linear(x, self.a.weight, self.a.bias))
