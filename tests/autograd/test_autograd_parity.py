@@ -24,7 +24,7 @@ import pytest
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from helpers import PADDLE2, ROOT, TESTS
+from helpers import PADDLE2, ROOT, TESTS, nonzero_biases
 from paddle_mgrad import stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,6 +131,7 @@ class _MLP(paddle.nn.Layer):
         b = None if bias else False
         self.l1 = paddle.nn.Linear(d_in, d_hidden, bias_attr=b)
         self.l2 = paddle.nn.Linear(d_hidden, d_out, bias_attr=b)
+        nonzero_biases(self)
         self.act = act
         self.hidden = None
 
