@@ -605,11 +605,13 @@ def _spy_entry(monkeypatch, getter):
         ("float64", False, "wgrad_add"),
     ],
 )
-def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op, bias):
     """A float32/float64 linear's common-case backward is ONE call from Python, into the op
     library's fast entry: dx too (``linear_bwd``, Paddle's matmul kernel inside); without an
     input gradient, the weight-gradient kernel.  No custom-op dispatch.  Gradients equal plain
-    Paddle's either way (dx bit for bit: the same matmul kernel)."""
+    Paddle's either way (dx bit for bit: the same matmul kernel); the statistics count each
+    parameter written into its ``main_grad``, by name."""
     require_cpp_op()
     calls = _spy_entry(monkeypatch, "cpu_entry")
 
@@ -619,21 +621,60 @@ def test_common_case_backward_is_one_op_call(monkeypatch, dtype, x_grad, op):
     monkeypatch.setitem(entries._RAW, "run", no_runner)
     monkeypatch.setitem(entries._RAW, "for", ops.load())
     rs = np.random.RandomState(1)
-    ours, ref = _layer_pair(True, True, rs)
+    ours, ref = _layer_pair(bias, True, rs)
     if dtype == "float64":
         for layer in (ours, ref):
             layer.to(dtype="float64")
             for p in layer.parameters():
                 p.main_grad = None
     data = rs.standard_normal([3, 5]).astype(dtype)
+    stats.reset()
     xs = [
         _squares_step(layer, data, fused, x_grad) for layer, fused in ((ref, False), (ours, True))
     ]
     assert calls == [(op, True)]
+    assert stats.linear["into_main_grad"] == 1 + bias
+    assert stats.fused_params == {p.name for p in ours.parameters()}
     for p, q in zip(ours.parameters(), ref.parameters()):
         np.testing.assert_allclose(p.main_grad.numpy(), q.main_grad.numpy(), rtol=1e-5, atol=1e-5)
     if x_grad:
         np.testing.assert_array_equal(xs[1].grad.numpy(), xs[0].grad.numpy())
+
+
+@pytest.mark.parametrize("bias_has", ["no_main_grad", "user_hook"])
+def test_a_bias_the_common_case_cannot_take_sends_the_backward_to_the_checked_path(
+    monkeypatch, bias_has
+):
+    """The weight has a ``main_grad`` and no hook; the bias has no ``main_grad`` (its gradient
+    goes to ``.grad``) or a user hook besides it (the hook must see the gradient, and Paddle
+    accumulates what it returns): the common case does not take the call, and the gradients
+    equal plain Paddle's (``.grad`` throughout, the same hook)."""
+    taken = _spy_backward_fast(monkeypatch)
+    rs = np.random.RandomState(3)
+    ours, ref = _layer_pair(True, False, rs)
+    ours.weight.main_grad = None
+    seen = {"ours": [], "ref": []}
+
+    def hook(log):
+        return lambda g: log.append(g.numpy()) or g * 2
+
+    if bias_has == "user_hook":  # (ours registered while paddle_mgrad is on: docs/limits.md)
+        ours.bias.main_grad = None
+        ref.bias.register_hook(hook(seen["ref"]))
+        paddle_mgrad.enable(recompute=False, fused_linear=True)
+        ours.bias.register_hook(hook(seen["ours"]))
+        paddle_mgrad.disable()
+    data = rs.standard_normal([3, 5]).astype("float32")
+    for layer, fused in ((ref, False), (ours, True)):
+        _squares_step(layer, data, fused, True)
+    assert taken == [False]
+    np.testing.assert_allclose(
+        ours.weight.main_grad.numpy(), ref.weight.grad.numpy(), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(ours.bias.grad.numpy(), ref.bias.grad.numpy(), rtol=1e-5, atol=1e-5)
+    if bias_has == "user_hook":
+        assert len(seen["ours"]) == len(seen["ref"]) == 1
+        np.testing.assert_allclose(seen["ours"][0], seen["ref"][0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("gpu_tier", ["cuda", "paddle-fused", "python"])
