@@ -262,8 +262,8 @@ KNOBS: Tuple[Knob, ...] = (
         "recompute call without policy= (Paddle's own included): full keeps nothing, gemm "
         "keeps every fused linear's output, save:<pattern> does not recompute the sublayers "
         "whose class name or attribute path matches (a glob: save:*MLP), budget:<fraction> "
-        "chooses sublayers and linear outputs by replay time per byte measured in the first "
-        "calls, so that the blocks alive at once hold that fraction of what they hold "
+        "keeps the sublayers and linear outputs that spare the most replay time measured in "
+        "the first calls, so that the blocks alive at once hold that fraction of what they hold "
         "without recompute",
     ),
     Knob(

@@ -74,7 +74,7 @@ class MgradArguments:
             "gemm (keep every linear's output: no GEMM is recomputed) or "
             "save:<pattern>[,<pattern>...] (sublayers whose class name or "
             "attribute path matches, e.g. save:self_attn, are not recomputed) or "
-            "budget:<fraction> (the sublayers with the most replay time per byte, measured, "
+            "budget:<fraction> (the sublayers and linears that spare the most replay time, measured, "
             "so that the blocks hold that fraction of the bytes they hold without recompute). "
             "Default: $PADDLE_MGRAD_RECOMPUTE_POLICY, else full."
         },

@@ -2,9 +2,9 @@
 on this machine.
 
 ``save:<pattern>`` keeps the sublayers the user names (:mod:`.saved_sublayers`); ``gemm`` keeps
-every GEMM output.  ``budget:f`` chooses among both: keep what costs the most replay time per
-byte kept, so that the recompute blocks alive at once hold ``f`` times the bytes they hold
-without recompute, and recompute the rest.  What is costly depends on the machine and the model
+every GEMM output.  ``budget:f`` chooses among both: keep what spares the most replay time, so
+that the recompute blocks alive at once hold ``f`` times the bytes they hold without
+recompute, and recompute the rest.  What is costly depends on the machine and the model
 (on a GPU the GEMMs dominate a decoder layer's time, on a CPU attention's softmax and the
 elementwise ops weigh more), so it is measured, not assumed:
 
@@ -50,17 +50,19 @@ elementwise ops weigh more), so it is measured, not assumed:
   but what costs no byte is kept.  Where Paddle keeps no allocator statistics, ``O`` is 0; in
   a first step, gradient buffers allocated as its backward runs count as ``O`` (later steps
   hold them before they start): the plan errs toward memory.
-* **Choice**: one candidate at a time, the one that adds the most replay time per byte it adds
-  (bytes as the budget counts them), among those that still fit within the budget.  A sublayer
-  taken whole replaces the linears inside it already taken: it adds its time and bytes less
-  theirs (keeping the mlp whole adds its elementwise ops' replay to its linears' outputs for its
-  other activations' bytes), and a linear inside a sublayer taken is passed over.  A candidate
-  that costs no byte is always taken.  The plan is made at the start of the kind's first call
-  once it was measured and a backward seen (every rank of a group at the same call); from then
-  on the kind runs the chosen sublayers as ``save:`` and the chosen linears as ``gemm`` (in a
-  tensor-parallel group, the plan of the group's first rank: every rank must replay the same
-  collectives); the plan is in ``paddle_mgrad.stats.plans`` (per policy, per kind: chosen,
-  measured seconds and bytes).
+* **Choice**: the candidates that spare the most replay time together within the budget
+  (bytes as the budget counts them), exactly (:func:`_spare_most`, a knapsack): a sublayer is
+  kept whole or any of its linears are -- whole, it spares its linears' outputs and its other
+  ops' replay for its other activations' bytes.  So a plan spares at least as much as any
+  fixed policy that fits the same budget (``gemm``, ``save:`` of one sublayer); taking
+  candidates by time per byte, one at a time, does not promise that (it can fill the budget
+  with small candidates and leave no room for the one large one that spares more).  A
+  candidate that costs no byte is always taken.  The plan is made at the start of the kind's
+  first call once it was measured and a backward seen (every rank of a group at the same
+  call); from then on the kind runs the chosen sublayers as ``save:`` and the chosen linears
+  as ``gemm`` (in a tensor-parallel group, the plan of the group's first rank: every rank must
+  replay the same collectives); the plan is in ``paddle_mgrad.stats.plans`` (per policy, per
+  kind: chosen, measured seconds and bytes).
 
 ``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
 to what no recompute keeps.
@@ -353,27 +355,8 @@ class Planner:
     def _choose(self, kind):
         budget, nbytes = self.accounting(kind)  # (a candidate never called costs: none)
         seconds = {n: kind.seconds[n] for n in nbytes}
-        chosen, taken = set(), 0.0
-        for _ in range(len(seconds)):  # (each round takes one; none is taken twice)
-            best = None  # (time per byte it adds, name, bytes it adds, linears it replaces)
-            for name in seconds:
-                if name in chosen or kind.owner.get(name) in chosen:
-                    continue  # (taken, or a linear of a sublayer kept whole)
-                inner = [n for n in chosen if kind.owner.get(n) == name]
-                added = nbytes[name] - sum(nbytes[n] for n in inner)
-                if taken + added > budget:
-                    continue
-                gain = _per_byte(seconds[name] - sum(seconds[n] for n in inner), added)
-                if gain <= 0:
-                    continue  # (whole, it spares no more than its linears already do)
-                if best is None or gain > best[0]:
-                    best = (gain, name, added, inner)
-            if best is None:
-                break
-            _, name, added, inner = best
-            chosen.difference_update(inner)
-            chosen.add(name)
-            taken += added
+        owner = {n: kind.owner.get(n) for n in nbytes}
+        chosen = _spare_most(budget, seconds, nbytes, owner)
         return tuple(n for n in kind.names if n in chosen)
 
     def _report(self, kind):
@@ -426,8 +409,58 @@ def _agreed(names, chosen, group):
     return tuple(n for n, keep in zip(names, mask.numpy().tolist()) if keep)
 
 
-def _per_byte(seconds, nbytes):
-    return float("inf") if nbytes == 0 else seconds / nbytes
+#: the most partial plans :func:`_spare_most` carries from one candidate to the next; past it,
+#: plans within ``budget / _MAX_PLANS`` bytes of each other are merged into the one that spares
+#: the most (a decoder layer's dozen candidates never come near it; a mixture of experts' can)
+_MAX_PLANS = 2048
+
+
+def _spare_most(budget, seconds, nbytes, owner) -> frozenset:
+    """The candidates that spare the most replay time (``seconds``, by name) within ``budget``
+    bytes (``nbytes``, as the budget counts them), where a sublayer is kept whole or any subset
+    of its linears (``owner``: a linear's sublayer, or None) is -- not both.
+
+    Exact, a multiple-choice knapsack solved over its Pareto front: the partial plans, each
+    (bytes, seconds, names), from which every plan that costs as many bytes or more and spares
+    no more time is dropped; each candidate (a sublayer with its linears: once as its linears
+    added one by one, once whole) extends every plan that still fits.  So the plan spares at
+    least as much as any fixed policy that fits (every linear, one sublayer whole), which
+    taking candidates by time per byte does not promise.  Of plans that spare the same time,
+    the one of fewest bytes, and then of the earliest candidates (the Layer's order: the same
+    on every rank) is kept; a candidate that spares no time is never kept."""
+    front = [(0.0, 0.0, ())]
+
+    def fits(plans):
+        """``plans`` less those over the budget or no better than a cheaper one (and thinned)."""
+        plans = sorted((p for p in plans if p[0] <= budget), key=lambda p: (p[0], -p[1]))
+        kept, best = [], 0.0
+        for p in plans:  # (sorted is stable: of equal plans, the one listed first)
+            if p[1] > best or not kept:
+                kept.append(p)
+                best = p[1]
+        if len(kept) > _MAX_PLANS:  # (the last of each slice of bytes spares the most in it)
+            width = budget / _MAX_PLANS
+            thinned = {int(p[0] / width): p for p in kept}
+            kept = sorted(thinned.values())
+        return kept
+
+    def extend(plans, name):
+        return plans + [(b + nbytes[name], s + seconds[name], n + (name,)) for b, s, n in plans]
+
+    linears = {n for n in seconds if owner.get(n) in seconds}  # (of a sublayer measured)
+    for name in seconds:
+        if name in linears:
+            continue  # (with its sublayer)
+        inner = [n for n in seconds if n in linears and owner[n] == name]
+        if not inner:
+            front = fits(extend(front, name))
+            continue
+        parts = front
+        for n in inner:
+            parts = fits(extend(parts, n))
+        whole = [(b + nbytes[name], s + seconds[name], n + (name,)) for b, s, n in front]
+        front = fits(parts + whole)
+    return frozenset(front[-1][2])
 
 
 def _unsaved_bytes(tensors, saved_ptrs) -> int:

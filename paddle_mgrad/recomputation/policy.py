@@ -17,8 +17,8 @@ recompute (and to no recompute); only memory and time change.
   recomputed at all: what their ops saved and their outputs are kept from the forward, and the
   replay skips them (:mod:`.saved_sublayers`).  Megatron's ``--recompute-modules`` inverted, at
   sublayer grain; no model edits.
-* ``"budget:<fraction>"``: automatic.  Keep the sublayers and the GEMM outputs with the most
-  replay time per byte kept, measured on this machine in the block's first calls, so that the
+* ``"budget:<fraction>"``: automatic.  Keep the sublayers and the GEMM outputs that spare the
+  most replay time, measured on this machine in the block's first calls, so that the
   blocks alive at once (a step's decoder layers) hold ``fraction`` times the bytes they hold
   without recompute (:mod:`.budget`).
 * a callable ``policy(call) -> bool``: asked once per fused linear in the block's forward with

@@ -1,13 +1,16 @@
 """The ``budget:<fraction>`` recompute policy (:mod:`paddle_mgrad.recomputation.budget`): the
 first calls of a kind of block are measured under full recompute, then the sublayers with the
-most replay time per byte are kept within the fraction.  Bit-identical to no recompute over the
+most replay time within the fraction are kept.  Bit-identical to no recompute over the
 measured and the planned calls, in both modes; the choice follows the measured figures (a
 planner fed fixed figures); the measured bytes are what ``save:`` of the same sublayer keeps."""
+
+from itertools import product
 
 import paddle
 import policy_runs
 import pytest
 from decoder import ROWS, D, Decoder, custom_forward
+from hypothesis import given, settings, strategies as st
 from in_place_ops import IN_PLACE
 from paddle.distributed.fleet.utils import recompute as paddles_recompute
 from policy_runs import assert_identical
@@ -82,13 +85,13 @@ def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans):
 @pytest.mark.parametrize(
     "fraction, chosen",
     [
-        (0.3, ("b", "c", "free")),  # b (0.1 s/B) and c (0.02) fill 60 of 60 bytes; a passed over
-        (0.2, ("b", "free")),  # c (50) no longer fits after b (10): skipped for nothing
+        (0.3, ("b", "c", "free")),  # b (1 s, 10 B) and c (1 s, 50 B) fill 60 of 60 bytes
+        (0.2, ("b", "free")),  # c (50) no longer fits beside b (10), a (100) alone neither
         (1.0, ("a", "b", "c", "free")),
         (0.0, ("free",)),  # a candidate that costs no byte is always kept
     ],
 )
-def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fraction, chosen):
+def test_the_plan_spares_the_most_time_within_the_budget(fresh_plans, fraction, chosen):
     names = ("a", "b", "c", "free", "never")
     planner = budget.Planner("budget:test", fraction)
     key = ("Block", names)
@@ -111,13 +114,13 @@ def test_the_plan_takes_the_most_time_per_byte_within_the_budget(fresh_plans, fr
     assert report["block_bytes"] == 200 and report["budget_bytes"] == int(fraction * 200)
 
 
-def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
-    """Per candidate 2 s / 10.3 B, 3 s / 20 B, 8 s / 25 B (c, a, b by time per byte): within
-    50 bytes c and a are kept, b no longer fits.  By name, by time, by time times bytes or in
-    ascending order another pair would be kept.  A candidate's time is its minimum over the
-    calls (here the last call is the slow one) and its bytes their mean; the report gives
-    whole bytes."""
-    names = ("a", "b", "c")
+def test_the_plan_spares_the_most_time_that_fits_not_the_best_time_per_byte_first(fresh_plans):
+    """Per candidate 2 s / 10.3 B, 3 s / 20 B, 8 s / 25 B, 9 s / 45 B: within 50 bytes b and c
+    spare 11 s.  Taken by time per byte (c, a: 10 s), by time (d: 9 s), by name or by
+    ascending bytes (a, b: 5 s) another set would be kept.  A candidate's time is its minimum
+    over the calls (here the last call is the slow one) and its bytes their mean; the report
+    gives whole bytes."""
+    names = ("a", "b", "c", "d")
     planner = budget.Planner("budget:test", 0.5)
     key = ("Block", names)
     planner.kinds[key] = budget._Kind("Block", names)
@@ -126,17 +129,77 @@ def test_candidates_are_taken_by_time_per_byte_not_by_time_or_name(fresh_plans):
         last = call == budget.MEASURED_CALLS - 1
         planner.measured(
             key,
-            {"a": 2.0 * slow, "b": 3.0 * slow, "c": 8.0 * slow},
-            {"a": 10 + last, "b": 20, "c": 25},
+            {"a": 2.0 * slow, "b": 3.0 * slow, "c": 8.0 * slow, "d": 9.0 * slow},
+            {"a": 10 + last, "b": 20, "c": 25, "d": 45},
             100 + last,
             0,
         )
-    assert _plan(planner, key) == ("a", "c")
+    assert _plan(planner, key) == ("b", "c")
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10, "extra_bytes": 0}
     assert type(report["measured"]["a"]["bytes"]) is int
     assert report["block_bytes"] == 100 and type(report["block_bytes"]) is int
     assert report["budget_bytes"] == 50
+
+
+def _plans(sublayers, linears):
+    """Every plan of candidates ``sublayers`` (name -> its linears) and ``linears`` (those of
+    no sublayer): each sublayer whole or any subset of its linears, any subset of the rest."""
+    options = [[()]]
+    for sub, inner in sublayers.items():
+        subsets = [
+            tuple(n for n, bit in zip(inner, bits) if bit)
+            for bits in product((0, 1), repeat=len(inner))
+        ]
+        options.append(subsets + [(sub,)])
+    options += [[(), (n,)] for n in linears]
+    for parts in product(*options):
+        yield frozenset(n for part in parts for n in part)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_the_plan_is_the_best_of_every_plan_that_fits(data):
+    """Drawn candidates -- sublayers with 0 to 3 linears, linears of no sublayer -- with whole
+    seconds and bytes, and a budget: the plan fits, keeps no linear of a sublayer it keeps
+    whole, spares the most time of all plans that fit (enumerated), and of those costs the
+    fewest bytes.  So it never loses to a fixed policy that fits (every linear, one sublayer)."""
+    seconds, nbytes, owner, sublayers = {}, {}, {}, {}
+    for i in range(data.draw(st.integers(0, 3), label="sublayers")):
+        sub = f"s{i}"
+        sublayers[sub] = tuple(f"gemm:{sub}.w{j}" for j in range(data.draw(st.integers(0, 3))))
+        for name in (sub,) + sublayers[sub]:
+            owner[name] = sub if name != sub else None
+    linears = tuple(f"gemm:w{j}" for j in range(data.draw(st.integers(0, 3), label="linears")))
+    owner.update({n: None for n in linears})
+    for name in owner:
+        seconds[name] = data.draw(st.integers(1, 20), label=f"seconds {name}")
+        nbytes[name] = data.draw(st.integers(0, 30), label=f"bytes {name}")
+    limit = data.draw(st.integers(0, 100), label="budget")
+    chosen = budget._spare_most(limit, seconds, nbytes, owner)
+
+    def cost(plan):
+        return sum(nbytes[n] for n in plan), sum(seconds[n] for n in plan)
+
+    fitting = [cost(p) for p in _plans(sublayers, linears) if cost(p)[0] <= limit]
+    best = max(s for _, s in fitting)
+    assert cost(chosen)[0] <= limit
+    assert not any(owner[n] in chosen for n in chosen)
+    assert cost(chosen) == (min(b for b, s in fitting if s == best), best)
+
+
+def test_many_candidates_are_planned_within_the_budget(monkeypatch):
+    """Past :data:`budget._MAX_PLANS` partial plans (here 16; 2**16 plans of 16 linears) plans
+    of near bytes merge into the one that spares the most: the plan still fits and, where each
+    linear spares the same time per byte, fills 95 % of the budget at least (keeping the plan
+    of each slice that spares the least fills 88 %)."""
+    monkeypatch.setattr(budget, "_MAX_PLANS", 16)
+    names = [f"gemm:w{j}" for j in range(16)]
+    nbytes = {n: 3.0 + j for j, n in enumerate(names)}
+    seconds = {n: 2.0 * nbytes[n] for n in names}
+    chosen = budget._spare_most(100.0, seconds, nbytes, dict.fromkeys(names))
+    taken = sum(nbytes[n] for n in chosen)
+    assert 95.0 <= taken <= 100.0, sorted(chosen)
 
 
 def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates(fresh_plans):
@@ -488,15 +551,15 @@ def _gemm_kind(planner, key, sublayers, params):
 @pytest.mark.parametrize(
     "fraction, chosen",
     [
-        # by s/B: top (1; the Layer's own parameter, inside no sublayer), a.w (0.5), b.w
-        # (0.25), a (0.2), b (0.01).  Within 100 bytes: top, a.w, b.w take 35; a then takes 40
-        # more in place of a.w's 10 (75); b does not fit
+        # top (5 s, 5 B; the Layer's own parameter, inside no sublayer), a.w (5 s, 10 B), b.w
+        # (5 s, 20 B), a (10 s, 50 B), b (1 s, 100 B).  Within 100 bytes: a whole in place of
+        # a.w, b.w and top spare 20 s in 75 B; b does not fit beside a
         (0.5, ("a", "gemm:b.w", "gemm:top")),
-        # within 80: a fits only by giving back a.w's bytes
+        # within 80: the same, a whole and a.w are never both kept (85)
         (0.4, ("a", "gemm:b.w", "gemm:top")),
-        # within 40: a does not fit in place of a.w (75): a.w and b.w stay
+        # within 40: a does not fit beside b.w and top (75): a.w, b.w and top (15 s in 35 B)
         (0.2, ("gemm:a.w", "gemm:b.w", "gemm:top")),
-        # within 30: b.w does not fit after top and a.w (35), nor a (55)
+        # within 30: any two linears spare 10 s; top and a.w in the fewest bytes (15)
         (0.15, ("gemm:a.w", "gemm:top")),
     ],
 )
@@ -517,8 +580,8 @@ def test_a_sublayer_taken_whole_replaces_its_linears_and_a_kept_one_hides_them(
 
 
 def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
-    """a (1 s/B) is taken first: its linear a.w (0.05 s/B) is passed over, and b after it
-    (0.01 s/B) is still taken."""
+    """a whole (10 s) spares more than its linear a.w (0.5 s) in the same bytes: a.w is not
+    kept beside it, and b (0.1 s) still is."""
     planner = budget.Planner("budget:test", 1.0)
     key = ("Block", ("a", "b"))
     kind = _gemm_kind(planner, key, ("a", "b"), ("a.w",))
@@ -534,18 +597,16 @@ def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
 @pytest.mark.parametrize(
     "mlp_seconds, chosen",
     [
-        # the mlp whole adds 5 s for 9.25 B over its linear (0.54 s/B): the norm (1.25 s/B)
-        # goes first, and then the mlp no longer fits in 25 -- though by its own time per
-        # byte (10 s/B) it ranks above the norm
+        # within 25: the norm and the mlp's linear spare 225 s in 20.75 B, the mlp whole
+        # 220 s in 22 B, and beside the norm it no longer fits
         (220.0, ("norm", "gemm:mlp.g")),
-        # whole, it would spare less than its linear already does, or no more: never taken
+        # whole, it would spare less than its linear already does, or no more in more
+        # bytes: never taken
         (210.0, ("norm", "gemm:mlp.g")),
         (215.0, ("norm", "gemm:mlp.g")),
     ],
 )
-def test_a_sublayer_is_ranked_by_what_it_adds_over_its_linears_taken(
-    fresh_plans, mlp_seconds, chosen
-):
+def test_a_sublayer_whole_is_weighed_against_its_linears(fresh_plans, mlp_seconds, chosen):
     def choice(fraction):
         planner = budget.Planner("budget:test", fraction)
         key = ("Block", ("mlp", "norm"))
@@ -561,14 +622,14 @@ def test_a_sublayer_is_ranked_by_what_it_adds_over_its_linears_taken(
 
     names, got = choice(0.25)
     assert got == tuple(n for n in names if n in chosen)
-    _, got = choice(0.3)  # within 30 the mlp (220 s) fits after all
+    _, got = choice(0.3)  # within 30 the mlp whole fits beside the norm (230 s for 220 s)
     whole = mlp_seconds > 215.0
     assert got == (("mlp", "norm") if whole else ("norm", "gemm:mlp.g"))
 
 
 def test_of_equal_candidates_the_first_is_taken(fresh_plans):
-    """Two candidates that add the same time per byte, room for one: the first by name order
-    (the Layer's own order), on every rank alike."""
+    """Two candidates that spare the same time in the same bytes, room for one: the first by
+    name order (the Layer's own order), on every rank alike."""
     planner = budget.Planner("budget:test", 0.1)
     key = ("Block", ("a", "b"))
     kind = _gemm_kind(planner, key, ("a", "b"), ())
@@ -577,8 +638,8 @@ def test_of_equal_candidates_the_first_is_taken(fresh_plans):
 
 
 def test_the_bytes_a_sublayer_gives_back_count_for_later_candidates(fresh_plans):
-    """Within 100 bytes: a.w (10), then a (50) in its place -- 50 taken, not 70 -- so c (45)
-    still fits."""
+    """Within 100 bytes: a whole (50 B) is kept in place of its linear a.w, not beside it --
+    50 bytes taken, not 60 -- so c (45) still fits."""
     planner = budget.Planner("budget:test", 0.5)
     key = ("Block", ("a", "c"))
     kind = _gemm_kind(planner, key, ("a", "c"), ("a.w",))
