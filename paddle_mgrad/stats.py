@@ -41,9 +41,8 @@ policy: dict = {}
 #: step's memory over full recompute), ``block_bytes`` and ``input_bytes`` (one call's
 #: activations without recompute, and its arguments that need a gradient), ``outside_bytes``
 #: (what a measured step held outside the blocks at its peak), ``live_blocks``
-#: (block calls alive at once), ``measured_calls`` and per candidate the ``measured`` seconds,
-#: bytes and ``extra_bytes`` (of those, what backward would not hold anyway).  A plan holds for
-#: the rest of the process (not cleared by :func:`reset`).
+#: (block calls alive at once), ``measured_calls`` and per candidate the ``measured`` seconds
+#: and bytes.  A plan holds for the rest of the process (not cleared by :func:`reset`).
 plans: dict = {}
 POLICY_COUNTERS = (
     "calls",

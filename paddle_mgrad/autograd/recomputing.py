@@ -148,11 +148,11 @@ class KeptOutputs:
         return y
 
     def keepable_timings(self):
-        """A measuring call's :attr:`timings` as ``{id(weight): (seconds, bytes, outputs)}``,
-        less the linears whose output was changed in place since (they cannot be kept:
+        """A measuring call's :attr:`timings` as ``{id(weight): (seconds, bytes)}``, less the
+        linears whose output was changed in place since (they cannot be kept:
         :meth:`forward_done`)."""
         return {
-            w: (seconds, nbytes, [t for t, _ in outputs])
+            w: (seconds, nbytes)
             for w, (seconds, nbytes, outputs) in self.timings.items()
             if all(self.unchanged(t, version) for t, version in outputs)
         }

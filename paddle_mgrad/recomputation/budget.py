@@ -32,13 +32,13 @@ elementwise ops weigh more), so it is measured, not assumed:
   of a process pays warm-ups), its bytes their mean.
 * **Budget**: the blocks hold ``L·(A + I)`` without recompute, ``L·I + A`` under full recompute
   (every block's input, and the activations of the one being recomputed).  A plan keeping ``K``
-  of each block adds ``(L - 1)·K`` for the other blocks alive, and ``E`` for the one being
-  recomputed: for a linear, what it keeps that backward would not hold anyway (a kept output
-  that no op saves -- the attention saves the rotated q, not q; the replay saves what it
-  computes from it; ``extra_bytes``: its outputs whose buffers are not among the block's saved
-  activations); for a sublayer, all of its bytes (measured on a llama decoder layer: keeping the
-  MLP or both norms whole raised the step's peak by about their bytes once more than the other
-  blocks account for, keeping the attention whole by its output only; so the count errs high).
+  of each block adds ``L·K``: ``K`` in every other block alive, and in the one being
+  recomputed too -- its backward holds a kept value from its start to its end, where without
+  a policy the op that saved it lets go of it once its own backward ran (measured on a llama
+  decoder layer, host allocator: keeping the gate or up projection's output, which the
+  activation after it saves anyway, or the post-attention norm raised the step's peak by their
+  bytes in every block alive; keeping q, the input norm, the MLP or the attention whole by
+  less, down to ``(L - 1)·K``: the count errs high, never low).
   A step also holds memory outside its blocks at its peak (``O``: logits, the loss, gradients,
   backward's temporaries), under every policy alike: it is read from the allocator
   (:mod:`.memory`) in the measured steps -- the most a step held above what was allocated at its
@@ -79,7 +79,7 @@ from .. import stats
 from ..autograd.recomputing import KeptOutputs
 from .memory import allocated_on
 from .saved_sublayers import Sublayers, block_layers
-from .tensors import distinct_bytes, iter_tensors
+from .tensors import iter_tensors
 
 __all__ = ["MEASURED_CALLS", "BlockSaved", "Planner"]
 
@@ -119,7 +119,6 @@ class _Kind:
         "owner",
         "seconds",
         "bytes",
-        "extra",
         "block_bytes",
         "input_bytes",
         "calls",
@@ -132,7 +131,6 @@ class _Kind:
         self.owner = {GEMM + p: p.split(".")[0] if "." in p else None for p in params}
         self.seconds = {n: None for n in self.names}  # min over calls of the per-call sum
         self.bytes = {n: 0 for n in self.names}  # summed over calls
-        self.extra = {n: 0 for n in self.names}  # of those, not saved for backward anyway
         self.block_bytes = 0  # summed over calls
         self.input_bytes = 0  # summed over calls
         self.calls = 0
@@ -144,7 +142,6 @@ class BlockSaved(NamedTuple):
 
     activation_bytes: int  # its activations (``A``), each buffer once
     input_bytes: int  # its tensor arguments that need a gradient (``I``)
-    data_ptrs: frozenset  # the buffers of those activations
 
 
 class _Measurement:
@@ -158,18 +155,14 @@ class _Measurement:
 
     def done(self, sublayers, kept, block: BlockSaved):
         """The measured call's forward ended: its figures by candidate name, and what the
-        ``block`` saved (its saved buffers tell which kept outputs backward holds anyway)."""
+        ``block`` saved."""
         seconds, costs = dict(sublayers.times), dict(sublayers.costs)
-        extras = dict(costs)  # (a sublayer's: all of it, measured: module docstring)
-        for weight, (s, nbytes, outputs) in kept.keepable_timings().items():
+        for weight, (s, nbytes) in kept.keepable_timings().items():
             name = self.weights.get(weight)  # (one name per weight: summed by weight already)
             if name is not None:
                 seconds[name], costs[name] = s, nbytes
-                extras[name] = _unsaved_bytes(outputs, block.data_ptrs)
         kept.timings.clear()  # (it holds the linears' outputs: not until backward)
-        self.planner.measured(
-            self.key, seconds, costs, block.activation_bytes, block.input_bytes, extras
-        )
+        self.planner.measured(self.key, seconds, costs, block.activation_bytes, block.input_bytes)
 
 
 def _never(x, weight, y) -> bool:
@@ -259,12 +252,9 @@ class Planner:
         costs: dict,
         block_bytes: int,
         input_bytes: int,
-        extras: dict = None,
     ):
-        """One measured block call is done (its forward): add its figures (seconds, bytes and
-        of those the ``extras`` backward does not save anyway, by candidate name; the block's
-        activation and input bytes)."""
-        extras = extras or {}
+        """One measured block call is done (its forward): add its figures (seconds and bytes
+        by candidate name; the block's activation and input bytes)."""
         with self.lock:
             kind = self.kinds[key]
             if kind.chosen is not None:
@@ -277,7 +267,6 @@ class Planner:
                     best = kind.seconds[name]
                     kind.seconds[name] = s if best is None else min(best, s)
                 kind.bytes[name] += costs.get(name, 0)
-                kind.extra[name] += extras.get(name, 0)
             kind.block_bytes += block_bytes
             kind.input_bytes += input_bytes
             kind.calls += 1
@@ -328,19 +317,16 @@ class Planner:
         """``(budget, costs)`` of ``kind`` (module docstring): what its plan may add to a
         step's memory over full recompute, ``f·(O + L·(A + I)) - O - L·I - A`` with ``L``
         blocks alive at once and ``O`` held outside them (never below 0); and what keeping
-        each measured candidate adds, its bytes in every other block alive and in the block
-        being recomputed what backward would not hold anyway (a kept linear output that no op
-        saves: the replay saves what it computes from it).  With one block alive at a time,
-        whose peak no plan changes: ``f·A``, and each candidate's bytes."""
-        calls, n = kind.calls, self.live
+        each measured candidate adds, its bytes in every block alive (the one being recomputed
+        included).  With one block alive at a time, whose peak no plan changes: ``f·A``, and
+        each candidate's bytes."""
+        calls, n = kind.calls, max(self.live, 1)
         a, i = kind.block_bytes / calls, kind.input_bytes / calls
-        measured = [name for name in kind.names if kind.seconds[name]]
-        if n <= 1:
-            return self.fraction * a, {name: kind.bytes[name] / calls for name in measured}
+        costs = {name: n * kind.bytes[name] / calls for name in kind.names if kind.seconds[name]}
+        if n == 1:
+            return self.fraction * a, costs
         o = self.outside_bytes(kind)
-        budget = max(0.0, self.fraction * (o + n * (a + i)) - o - n * i - a)
-        costs = {name: ((n - 1) * kind.bytes[name] + kind.extra[name]) / calls for name in measured}
-        return budget, costs
+        return max(0.0, self.fraction * (o + n * (a + i)) - o - n * i - a), costs
 
     def outside_bytes(self, kind) -> float:
         """What a measured step held at its peak outside the blocks of ``kind`` (``O``:
@@ -373,7 +359,6 @@ class Planner:
                 n: {
                     "seconds": kind.seconds[n] or 0.0,
                     "bytes": kind.bytes[n] // calls,
-                    "extra_bytes": kind.extra[n] // calls,
                 }
                 for n in kind.names
                 if n not in kind.owner or kind.seconds[n] is not None
@@ -461,8 +446,3 @@ def _spare_most(budget, seconds, nbytes, owner) -> frozenset:
         whole = [(b + nbytes[name], s + seconds[name], n + (name,)) for b, s, n in front]
         front = fits(parts + whole)
     return frozenset(front[-1][2])
-
-
-def _unsaved_bytes(tensors, saved_ptrs) -> int:
-    """The bytes of ``tensors`` whose buffers are not among the block's saved activations."""
-    return distinct_bytes(t for t in tensors if t.data_ptr() not in saved_ptrs)

@@ -230,11 +230,7 @@ class _Frame:
     def saved(self) -> BlockSaved:
         """While the forward runs: what the block saved so far, as a measuring call of a
         ``budget:`` plan reports it."""
-        return BlockSaved(
-            self.activation_bytes(),
-            self.input_bytes(),
-            frozenset(x.data_ptr() for _, x in self.pending),
-        )
+        return BlockSaved(self.activation_bytes(), self.input_bytes())
 
     def activation_bytes(self, start: int = 0, outputs=()) -> int:
         """While the forward runs: the bytes of the activations saved since saved tensor

@@ -109,8 +109,8 @@ def test_the_plan_spares_the_most_time_within_the_budget(fresh_plans, fraction, 
     assert _plan(planner, key) == planner.kinds[key].chosen == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert report["chosen"] == list(chosen)
-    assert report["measured"]["a"] == {"seconds": 1.0, "bytes": 100, "extra_bytes": 0}
-    assert report["measured"]["never"] == {"seconds": 0.0, "bytes": 0, "extra_bytes": 0}
+    assert report["measured"]["a"] == {"seconds": 1.0, "bytes": 100}
+    assert report["measured"]["never"] == {"seconds": 0.0, "bytes": 0}
     assert report["block_bytes"] == 200 and report["budget_bytes"] == int(fraction * 200)
 
 
@@ -136,7 +136,7 @@ def test_the_plan_spares_the_most_time_that_fits_not_the_best_time_per_byte_firs
         )
     assert _plan(planner, key) == ("b", "c")
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
-    assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10, "extra_bytes": 0}
+    assert report["measured"]["a"] == {"seconds": 2.0, "bytes": 10}
     assert type(report["measured"]["a"]["bytes"]) is int
     assert report["block_bytes"] == 100 and type(report["block_bytes"]) is int
     assert report["budget_bytes"] == 50
@@ -256,12 +256,12 @@ def _plan(planner, key, live=1):
 @pytest.mark.parametrize(
     "fraction, live, budget_bytes, chosen",
     [
-        # 0.5·4·110 - 4·10 - 100; a adds 3·20 + 20 (its 20 bytes are no saved activation)
+        # 0.5·4·110 - 4·10 - 100; a adds 4·20
         (0.5, 4, 80, ("a",)),
         (0.5, 1, 50, ("a", "b")),  # one block alive: the fraction of its bytes
         (0.3, 4, 0, ()),  # under what full recompute holds (140 of 440): nothing
         (1.0, 4, 300, ("a", "b")),  # c would add 150 more
-        (0.7, 2, 34, ("b",)),  # 0.7·2·110 - 2·10 - 100: a adds 40, b 30
+        (0.8, 2, 56, ("a",)),  # 0.8·2·110 - 2·10 - 100: a adds 2·20, b 2·30
     ],
 )
 def test_the_budget_bounds_the_memory_of_all_blocks_alive_at_once(
@@ -270,16 +270,13 @@ def test_the_budget_bounds_the_memory_of_all_blocks_alive_at_once(
     """Blocks of 100 activation bytes and 10 input bytes, ``live`` of them alive at once: the
     plan adds to the blocks' memory under full recompute (every input, one block's activations)
     at most what keeps it within the fraction of theirs without recompute (110 each).  A
-    candidate adds its bytes in every other block alive, and in the block being recomputed
-    those backward does not hold anyway (a's, a linear output no op saves)."""
+    candidate adds its bytes in every block alive, the one being recomputed included."""
     names = ("a", "b", "c")
     planner = budget.Planner("budget:test", fraction)
     key = ("Block", names)
     planner.kinds[key] = budget._Kind("Block", names)
     for _ in range(budget.MEASURED_CALLS):
-        planner.measured(
-            key, {"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 20, "b": 30, "c": 50}, 100, 10, {"a": 20}
-        )
+        planner.measured(key, {"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 20, "b": 30, "c": 50}, 100, 10)
     assert _plan(planner, key, live) == chosen
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert (report["budget_bytes"], report["live_blocks"]) == (budget_bytes, live)
@@ -287,7 +284,7 @@ def test_the_budget_bounds_the_memory_of_all_blocks_alive_at_once(
     assert report["measured_calls"] == budget.MEASURED_CALLS
     # (whole bytes, as every counter of paddle_mgrad.stats: 10 and 10.0 compare equal)
     figures = [report[k] for k in ("budget_bytes", "block_bytes", "input_bytes", "outside_bytes")]
-    figures += [m[k] for m in report["measured"].values() for k in ("bytes", "extra_bytes")]
+    figures += [m["bytes"] for m in report["measured"].values()]
     assert all(type(f) is int for f in figures), report
 
 
@@ -352,10 +349,12 @@ def _measured_step(planner, key, allocator, held, block_bytes=100, input_bytes=1
         # 0.5·(670 + 4·110) - 670 - 4·10 - 100 = -255: nothing
         (1000, {"now": 1500, "peak": 1800}, 670, 0, ()),
         # an earlier peak (5000) hides the step's: what it holds now, 1230 (230 above its
-        # start): 100 outside; 0.5·(100 + 440) - 100 - 140 = 30: a adds 3·20, b 3·30: over
+        # start): 100 outside; 0.5·(100 + 440) - 100 - 140 = 30: a adds 4·20, b 4·30: over
         (5000, {"now": 1230, "peak": 5000}, 100, 30, ()),
-        # 10 outside: 0.5·450 - 10 - 140 = 75: a fits, then b does not
-        (5000, {"now": 1140, "peak": 5000}, 10, 75, ("a",)),
+        # 2 outside: 0.5·442 - 2 - 140 = 79: a does not fit
+        (5000, {"now": 1132, "peak": 5000}, 2, 79, ()),
+        # nothing outside: 0.5·440 - 140 = 80: a fits, then b does not
+        (5000, {"now": 1130, "peak": 5000}, 0, 80, ("a",)),
     ],
 )
 def test_memory_outside_the_blocks_shrinks_the_budget(
@@ -576,7 +575,7 @@ def test_a_sublayer_taken_whole_replaces_its_linears_and_a_kept_one_hides_them(
     assert kind.chosen == tuple(n for n in kind.names if n in chosen)
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
     assert "gemm:norm" not in report["measured"]  # never a linear's weight: no candidate
-    assert report["measured"]["gemm:a.w"] == {"seconds": 5.0, "bytes": 10, "extra_bytes": 0}
+    assert report["measured"]["gemm:a.w"] == {"seconds": 5.0, "bytes": 10}
 
 
 def test_a_linear_of_a_kept_sublayer_is_passed_over(fresh_plans):
@@ -823,9 +822,8 @@ def test_a_weight_used_twice_is_measured_as_both_calls(fresh_plans, monkeypatch)
     policy_runs.train(_Twice, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)  # (planned in 2)
     measured = stats.snapshot()["plans"]["budget:1"]["_Twice"]["measured"]
     row = ROWS * D * 4  # one [ROWS, D] fp32 output
-    # (no op saves a linear's output here: tanh saves its own)
-    assert measured["gemm:lin.weight"] == {"seconds": 2.0, "bytes": 2 * row, "extra_bytes": 2 * row}
-    assert measured["gemm:out.weight"] == {"seconds": 1.0, "bytes": row, "extra_bytes": row}
+    assert measured["gemm:lin.weight"] == {"seconds": 2.0, "bytes": 2 * row}
+    assert measured["gemm:out.weight"] == {"seconds": 1.0, "bytes": row}
 
 
 class _OwnWeight(paddle.nn.Layer):
@@ -933,32 +931,3 @@ def test_a_buffer_saved_by_several_ops_is_counted_once(fresh_plans, monkeypatch)
     policy_runs.train(_Shared, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)
     plan = stats.snapshot()["plans"]["budget:1"]["_Shared"]
     assert plan["block_bytes"] == ROWS * D * 4, plan
-
-
-class _SavedOrNot(paddle.nn.Layer):
-    """One linear whose output the op after it saves (silu saves its input), one whose output
-    no op saves (tanh saves its own output), in a sublayer of their own each."""
-
-    def __init__(self):
-        super().__init__()
-        self.saved = paddle.nn.Sequential(paddle.nn.Linear(D, D), paddle.nn.Silu())
-        self.unsaved = paddle.nn.Sequential(paddle.nn.Linear(D, D), paddle.nn.Tanh())
-
-    def forward(self, h):
-        return self.unsaved(self.saved(h)) * 1.0
-
-
-def test_extra_bytes_are_what_backward_does_not_save_anyway(fresh_plans, monkeypatch):
-    """A linear's ``extra_bytes``: its kept outputs that are none of the block's saved
-    activations.  The first linear's output is saved by silu (0 extra), the second's by no op
-    (all of it).  A sublayer's: all its bytes (counted high: module docstring)."""
-    monkeypatch.setattr(budget, "MEASURED_CALLS", 1)
-    policy_runs.train(_SavedOrNot, "non_reentrant", "budget:1", 2, rows=ROWS, d=D)
-    measured = stats.snapshot()["plans"]["budget:1"]["_SavedOrNot"]["measured"]
-    row = ROWS * D * 4
-    assert {n: (m["bytes"], m["extra_bytes"]) for n, m in measured.items()} == {
-        "saved": (2 * row, 2 * row),  # (the linear's output saved by silu, silu's output)
-        "unsaved": (2 * row, 2 * row),  # (its input saved by its linear, tanh's output)
-        "gemm:saved.0.weight": (row, 0),
-        "gemm:unsaved.0.weight": (row, row),
-    }
