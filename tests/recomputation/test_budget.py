@@ -190,16 +190,37 @@ def test_the_plan_is_the_best_of_every_plan_that_fits(data):
 
 def test_many_candidates_are_planned_within_the_budget(monkeypatch):
     """Past :data:`budget._MAX_PLANS` partial plans (here 16; 2**16 plans of 16 linears) plans
-    of near bytes merge into the one that spares the most: the plan still fits and, where each
-    linear spares the same time per byte, fills 95 % of the budget at least (keeping the plan
-    of each slice that spares the least fills 88 %)."""
+    of near bytes merge into the one that spares the most: no more than ``2·(16 + 1)`` plans
+    are ever weighed at once (one per slice of ``budget / 16`` bytes, each extended by the next
+    candidate), the plan still fits and, where each linear spares the same time per byte,
+    fills 95 % of the budget at least (keeping the plan of each slice that spares the least
+    fills 88 %)."""
     monkeypatch.setattr(budget, "_MAX_PLANS", 16)
+    weighed = []
+
+    def counted_sorted(plans, key=None):
+        plans = list(plans)
+        weighed.append(len(plans))
+        return sorted(plans, key=key)
+
+    monkeypatch.setattr(budget, "sorted", counted_sorted, raising=False)
     names = [f"gemm:w{j}" for j in range(16)]
     nbytes = {n: 3.0 + j for j, n in enumerate(names)}
-    seconds = {n: 2.0 * nbytes[n] for n in names}
+    seconds = {n: 100.0 * nbytes[n] for n in names}
     chosen = budget._spare_most(100.0, seconds, nbytes, dict.fromkeys(names))
     taken = sum(nbytes[n] for n in chosen)
     assert 95.0 <= taken <= 100.0, sorted(chosen)
+    assert max(weighed) <= 2 * (16 + 1), weighed
+
+
+def test_up_to_max_plans_nothing_is_merged(monkeypatch):
+    """With :data:`budget._MAX_PLANS` 4: after a (1 B, 1 s) and b (1.2 B, 2 s) the four plans
+    (none, a, b, both) are carried as they are, though a and b lie in one slice of
+    ``4 / 4`` bytes; so a and c (3 B, 2.5 s) are found to spare the most within 4 bytes."""
+    monkeypatch.setattr(budget, "_MAX_PLANS", 4)
+    seconds = {"a": 1.0, "b": 2.0, "c": 2.5}
+    nbytes = {"a": 1.0, "b": 1.2, "c": 3.0}
+    assert budget._spare_most(4.0, seconds, nbytes, dict.fromkeys(seconds)) == {"a", "c"}
 
 
 def test_a_block_that_keeps_nothing_without_recompute_keeps_only_free_candidates(fresh_plans):
@@ -627,13 +648,13 @@ def test_a_sublayer_whole_is_weighed_against_its_linears(fresh_plans, mlp_second
 
 
 def test_of_equal_candidates_the_first_is_taken(fresh_plans):
-    """Two candidates that spare the same time in the same bytes, room for one: the first by
-    name order (the Layer's own order), on every rank alike."""
+    """Two candidates that spare the same time in the same bytes, room for one: the first in
+    the Layer's own order (not by name), on every rank alike."""
     planner = budget.Planner("budget:test", 0.1)
-    key = ("Block", ("a", "b"))
-    kind = _gemm_kind(planner, key, ("a", "b"), ())
-    _measure(planner, key, {"a": 1.0, "b": 1.0}, {"a": 10, "b": 10}, block_bytes=100)
-    assert kind.chosen == ("a",)
+    key = ("Block", ("norm", "attn"))
+    kind = _gemm_kind(planner, key, ("norm", "attn"), ())
+    _measure(planner, key, {"norm": 1.0, "attn": 1.0}, {"norm": 10, "attn": 10}, block_bytes=100)
+    assert kind.chosen == ("norm",)
 
 
 def test_the_bytes_a_sublayer_gives_back_count_for_later_candidates(fresh_plans):
