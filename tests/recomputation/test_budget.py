@@ -16,6 +16,7 @@ from paddle.distributed.fleet.utils import recompute as paddles_recompute
 from policy_runs import assert_identical
 
 import paddle_mgrad
+from helpers import nonzero_biases
 from paddle_mgrad import EnvError, stats
 from paddle_mgrad.recomputation import budget, memory, policy as policy_mod
 
@@ -675,9 +676,9 @@ class _Chain(paddle.nn.Layer):
 
     def __init__(self, after_s=None):
         super().__init__()
-        self.s = paddle.nn.Linear(D, D)
-        self.c = paddle.nn.Linear(D, D)
-        self.d = paddle.nn.Linear(D, D)
+        self.s = nonzero_biases(paddle.nn.Linear(D, D))
+        self.c = nonzero_biases(paddle.nn.Linear(D, D))
+        self.d = nonzero_biases(paddle.nn.Linear(D, D))
         self.after_s = after_s
 
     def forward(self, h):
@@ -767,7 +768,7 @@ class _Mixed(paddle.nn.Layer):
     def __init__(self, wide):
         super().__init__()
         self.norm = paddle.nn.LayerNorm(D)
-        self.mlp = Decoder().mlp if wide else paddle.nn.Linear(D, D)
+        self.mlp = Decoder().mlp if wide else nonzero_biases(paddle.nn.Linear(D, D))
 
     def forward(self, h):
         return paddle.tanh(self.mlp(self.norm(h)))
@@ -825,8 +826,8 @@ class _Twice(paddle.nn.Layer):
 
     def __init__(self):
         super().__init__()
-        self.lin = paddle.nn.Linear(D, D)
-        self.out = paddle.nn.Linear(D, D)
+        self.lin = nonzero_biases(paddle.nn.Linear(D, D))
+        self.out = nonzero_biases(paddle.nn.Linear(D, D))
 
     def forward(self, h):
         return self.out(paddle.tanh(self.lin(paddle.tanh(self.lin(h)))))
@@ -937,7 +938,7 @@ class _Shared(paddle.nn.Layer):
 
     def __init__(self):
         super().__init__()
-        self.lin = paddle.nn.Linear(D, D)
+        self.lin = nonzero_biases(paddle.nn.Linear(D, D))
 
     def forward(self, h):
         y = paddle.tanh(self.lin(h))

@@ -24,7 +24,7 @@ from paddle.distributed.fleet.utils import recompute as paddles_recompute
 from policy_runs import assert_identical
 
 import paddle_mgrad
-from helpers import PADDLE2
+from helpers import PADDLE2, nonzero_biases
 from paddle_mgrad import EnvError, RecomputeError, stats
 from paddle_mgrad.recomputation import policy as policy_mod, saved_sublayers
 
@@ -257,7 +257,11 @@ def test_a_pipeline_segment_is_its_slice_of_the_stages_layers():
     from paddle.distributed.fleet.meta_parallel.parallel_layers.pp_layers import PipelineLayer
 
     paddle.seed(11)
-    stage = [paddle.nn.Linear(D, D), Decoder(), paddle.nn.Linear(D, D)]
+    stage = [
+        nonzero_biases(paddle.nn.Linear(D, D)),
+        Decoder(),
+        nonzero_biases(paddle.nn.Linear(D, D)),
+    ]
     segment = PipelineLayer.forward_function(types.SimpleNamespace(run_function=stage), 1, 2)
     assert saved_sublayers.block_layers(segment, (), {}) == [stage[1]]
     assert saved_sublayers.block_layers(run_layers(stage), (), {}) == stage  # (no bounds)
@@ -305,7 +309,7 @@ def test_a_saved_tensor_changed_after_the_forward_raises_as_without_recompute():
     class Block(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
-            self.lin = paddle.nn.Linear(D, D)
+            self.lin = nonzero_biases(paddle.nn.Linear(D, D))
             self.act = Tanh()
 
         def forward(self, h):
@@ -463,7 +467,7 @@ def test_determinism_check_covers_what_is_recomputed():
         def __init__(self):
             super().__init__()
             self.mlp = MLP()
-            self.lin = paddle.nn.Linear(D, D)
+            self.lin = nonzero_biases(paddle.nn.Linear(D, D))
 
         def forward(self, h):
             m = self.mlp(h)
@@ -598,7 +602,7 @@ def test_a_kept_sublayer_calls_another_kept_one():
     class Attn(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
-            self.proj = paddle.nn.Linear(D, D)
+            self.proj = nonzero_biases(paddle.nn.Linear(D, D))
 
         def forward(self, h, rope):
             return self.proj(rope(h))
@@ -608,7 +612,7 @@ def test_a_kept_sublayer_calls_another_kept_one():
             super().__init__()
             self.attn = Attn()
             self.rope = Rope()
-            self.out = paddle.nn.Linear(D, D)
+            self.out = nonzero_biases(paddle.nn.Linear(D, D))
 
         def forward(self, h):
             return self.out(paddle.tanh(self.rope(self.attn(h, self.rope))))
@@ -644,7 +648,7 @@ def test_a_sublayer_that_changes_its_input_is_replayed(mode, op):
     class Block(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
-            self.pre = paddle.nn.Linear(D, D)
+            self.pre = nonzero_biases(paddle.nn.Linear(D, D))
             self.mlp = MLP(IN_PLACE[op])
 
         def forward(self, h):
@@ -696,7 +700,7 @@ class Part(paddle.nn.Layer):
 
     def __init__(self):
         super().__init__()
-        self.proj = paddle.nn.Linear(D, D)
+        self.proj = nonzero_biases(paddle.nn.Linear(D, D))
 
     def forward(self, h, gate, scale=1.0, *, shift=None, inner=None):
         y = inner(paddle.tanh(self.proj(h)), factor=0.5) * gate * scale + shift
@@ -710,7 +714,7 @@ class Structured(paddle.nn.Layer):
         super().__init__()
         self.part = Part()
         self.inner = Inner()
-        self.out = paddle.nn.Linear(D, D)
+        self.out = nonzero_biases(paddle.nn.Linear(D, D))
 
     def forward(self, h):
         gate = paddle.nn.functional.sigmoid(h)
@@ -922,7 +926,7 @@ def test_a_sublayer_called_twice_is_timed_and_counted_for_both_calls(monkeypatch
         def __init__(self, calls):
             super().__init__()
             self.slow = Slow()
-            self.out = paddle.nn.Linear(D, D)
+            self.out = nonzero_biases(paddle.nn.Linear(D, D))
             self.calls = calls
 
         def forward(self, h):
@@ -953,7 +957,7 @@ def test_a_kept_sublayer_run_again_in_the_replay_leaves_the_next_one_skipped():
     class A(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
-            self.b = paddle.nn.Linear(D, D)
+            self.b = nonzero_biases(paddle.nn.Linear(D, D))
 
         def forward(self, h):
             return paddle.tanh(self.b(h)) * 1.5
@@ -962,7 +966,7 @@ def test_a_kept_sublayer_run_again_in_the_replay_leaves_the_next_one_skipped():
         def __init__(self):
             super().__init__()
             self.a = A()
-            self.c = paddle.nn.Linear(D, D)
+            self.c = nonzero_biases(paddle.nn.Linear(D, D))
 
         def forward(self, h):
             y = self.a(h)
