@@ -642,3 +642,16 @@ def test_the_op_and_the_python_check_refuse_the_same_calls(entry, call):
         mp,
         has_bias,
     )
+
+
+def test_the_python_route_sends_another_place_to_the_checked_backward(monkeypatch):
+    """A tensor on neither the CPU nor a GPU (XPU, a custom device, CUDA-pinned memory;
+    simulated here: the CPU's place string is made another's): the Python route answers its
+    dtype, no place of the fast backward's common case and ``main_grads`` False (the forward
+    checks them), so the checked backward runs its reference kernel."""
+    monkeypatch.setattr(routing, "_CPU_PLACE", "Place(elsewhere)")
+    w = paddle.zeros([4, 3])
+    w.stop_gradient = False
+    facts = routing._route_meta(paddle.zeros([2, 4]), w, None, False)
+    assert facts == _inputs.RouteFacts("float32", None, False)
+    assert facts.main_grads is False
