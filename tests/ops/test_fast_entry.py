@@ -655,3 +655,12 @@ def test_the_python_route_sends_another_place_to_the_checked_backward(monkeypatc
     facts = routing._route_meta(paddle.zeros([2, 4]), w, None, False)
     assert facts == _inputs.RouteFacts("float32", None, False)
     assert facts.main_grads is False
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [("float32", "float64"), ("int32", "int32")])
+def test_the_python_route_leaves_other_dtypes_to_paddle(x_dtype, w_dtype):
+    """x and weight of two dtypes, or of one dtype the op does not take: the Python route
+    answers None (Paddle's own linear runs, and raises or computes as it would)."""
+    w = paddle.zeros([4, 3], dtype=w_dtype)
+    w.stop_gradient = False
+    assert routing._route_meta(paddle.zeros([2, 4], dtype=x_dtype), w, None, False) is None
