@@ -8,6 +8,7 @@ import pytest
 
 from paddle_mgrad.errors import RecomputeError
 from paddle_mgrad.recomputation.tensors import (
+    FINGERPRINT_FIELDS,
     check_arguments_unchanged,
     describe,
     distinct_bytes,
@@ -69,3 +70,40 @@ def test_fingerprint_sees_a_single_element_and_skips_what_it_cannot_read():
     assert fingerprint_mismatch(one.numpy(), one.numpy()) is None
     assert fingerprint(None) is None
     assert fingerprint(paddle.to_tensor(np.array([1 + 2j], "complex64"))) is None
+
+
+def _fingerprint_by_its_definition(values):
+    """The four fields of :data:`FINGERPRINT_FIELDS` computed in numpy from what they are
+    documented to be: the sum, the sum of squares, and the sum of a strided sample of at most
+    1024 elements (every ``n // 1024``-th, at least every one) weighted by fixed pseudo-random
+    weights in [1, 2) -- ``RandomState(0x5EED + len(sample))`` -- once as it is and once with
+    its finite elements as 0 and NaN, +inf and -inf as 3, 5 and -7."""
+    flat = values.reshape(-1)
+    sample = flat[:: max(1, flat.size // 1024)][:1024]
+    w = np.random.RandomState(0x5EED + sample.size).uniform(1.0, 2.0, sample.size)
+    w = w.astype("float32").astype(flat.dtype)
+    stand_in = np.where(np.isnan(sample), 3.0, np.where(sample > 0, 5.0, -7.0))
+    marks = np.where(np.isfinite(sample), 0.0, stand_in).astype(flat.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.array([flat.sum(), flat @ flat, sample @ w, marks @ w], dtype="float64")
+
+
+@pytest.mark.parametrize("n", [5, 1024, 3001])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_the_fingerprint_is_what_its_fields_say(n, dtype):
+    """Each field against its definition (numpy, float32 weights; half-precision tensors are
+    fingerprinted as float32): a finite tensor (its non-finite pattern 0), and one with NaN,
+    +inf and -inf at sampled places (its sums non-finite, the pattern field finite)."""
+    values = np.random.RandomState(n).uniform(-2, 2, n).astype(dtype)
+    marked = values.copy()
+    step = max(1, n // 1024)
+    marked[[0, step * (min(n, 1024) // 2), step * (min(n, 1024) - 1)]] = [np.nan, np.inf, -np.inf]
+    for v in (values, marked):
+        got = fingerprint(paddle.to_tensor(v)).numpy()
+        want = _fingerprint_by_its_definition(v.astype("float32") if dtype == "float16" else v)
+        for field, (g, w) in enumerate(zip(got, want)):
+            if np.isfinite(w):
+                assert abs(g - w) <= 1e-5 * max(1.0, abs(w)), (FINGERPRINT_FIELDS[field], g, w)
+            else:
+                assert np.isnan(g) if np.isnan(w) else g == w, (FINGERPRINT_FIELDS[field], g, w)
+    assert fingerprint(paddle.zeros([0, 3], dtype=dtype)).numpy().tolist() == [0.0] * 4
