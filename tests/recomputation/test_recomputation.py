@@ -18,7 +18,7 @@ from paddle.distributed.fleet.utils import recompute as native_recompute
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from helpers import PADDLE2, run_probe_script
+from helpers import PADDLE2, nonzero_biases, run_probe_script
 from paddle_mgrad import RecomputeError, stats
 from userlayers import SEEN, Block, SaveAll, SaveWeightAlone
 
@@ -242,7 +242,7 @@ class _UsesArgWeight(paddle.autograd.PyLayer):
 
 def _arg_weight_run(impl, x_needs_grad, steps=2):
     paddle.seed(11)
-    lin = paddle.nn.Linear(8, 4, bias_attr=False)
+    lin = nonzero_biases(paddle.nn.Linear(8, 4, bias_attr=False))
     MixPrecisionLayer(lin, dtype="bfloat16")
     w = lin.weight
     xs = [paddle.randn([5, 8]) for _ in range(steps)]
@@ -320,7 +320,7 @@ class DropNet(paddle.nn.Layer):
     def __init__(self):
         super().__init__()
         self.blocks = paddle.nn.LayerList([Block(bias=True, dropout=0.3) for _ in range(3)])
-        self.head = paddle.nn.Linear(8, 1)
+        self.head = nonzero_biases(paddle.nn.Linear(8, 1))
 
     def forward(self, x, rc=None, use_reentrant=True):
         for b in self.blocks:
@@ -589,7 +589,7 @@ def test_nondeterministic_shape_native_is_silently_wrong(impl):
 # ----------------------------------------------- parity with Paddle's recompute
 def _grads_of(fn_builder, impl, use_reentrant):
     paddle.seed(21)
-    layer = paddle.nn.Linear(6, 6)
+    layer = nonzero_biases(paddle.nn.Linear(6, 6))
     xa = paddle.randn([3, 6])
     xb = paddle.randn([3, 6])
     xa.stop_gradient = False
@@ -736,7 +736,7 @@ def test_parameter_storage_untouched_by_backward(use_reentrant):
 
 def test_reentrant_offload_indices_same_grads():
     paddle.seed(4)
-    lin = paddle.nn.Linear(6, 6)
+    lin = nonzero_biases(paddle.nn.Linear(6, 6))
     x = paddle.randn([3, 6])
     grads = []
     for kwargs in ({}, {"offload_indices": [0]}):
@@ -754,7 +754,7 @@ def test_reentrant_offload_indices_same_grads():
 
 
 def test_reentrant_keyword_only_arguments():
-    lin = paddle.nn.Linear(4, 4)
+    lin = nonzero_biases(paddle.nn.Linear(4, 4))
 
     def f(a, *, scale, bias=None):
         return lin(a) * scale + (0 if bias is None else bias)
@@ -815,7 +815,11 @@ def _frozen_input_run(mode, impl, mix, fused, micro=2, frozen=()):
     if impl == "enabled" or fused:
         paddle_mgrad.enable(recompute=True, fused_linear=fused)
     paddle.seed(5)
-    m = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.GELU(), paddle.nn.Linear(16, 8))
+    m = paddle.nn.Sequential(
+        nonzero_biases(paddle.nn.Linear(8, 16)),
+        paddle.nn.GELU(),
+        nonzero_biases(paddle.nn.Linear(16, 8)),
+    )
     for name, p in m.named_parameters():
         p.stop_gradient = name in frozen
     if mix:
@@ -903,7 +907,7 @@ def test_reentrant_with_frozen_inputs_and_trainable_parameter_argument():
     """The parameter-argument anchor path (a trainable parameter passed in) together with
     parameters read from self: both get their gradient once."""
     paddle.seed(3)
-    lin = paddle.nn.Linear(4, 4)
+    lin = nonzero_biases(paddle.nn.Linear(4, 4))
     w = paddle.create_parameter([4, 4], "float32")
     x = paddle.randn([2, 4])
 
@@ -931,7 +935,7 @@ def test_reentrant_block_returning_its_non_leaf_input(fused, mix, used):
         paddle_mgrad.disable()
         paddle_mgrad.enable(recompute=True, fused_linear=fused)
         paddle.seed(8)
-        lin = paddle.nn.Linear(4, 4)
+        lin = nonzero_biases(paddle.nn.Linear(4, 4))
         if mix:
             MixPrecisionLayer(lin, dtype="float16")
         x = paddle.randn([2, 4])
@@ -992,7 +996,7 @@ def test_block_returning_its_leaf_input_that_needs_grad(use_reentrant):
     Paddle's reentrant recompute too); now the same as without recompute."""
 
     def build(rc):
-        lin = paddle.nn.Linear(4, 4)
+        lin = nonzero_biases(paddle.nn.Linear(4, 4))
         x = paddle.randn([2, 4])
         x.stop_gradient = False
         out, same = rc(lambda h: (lin(h), h), x)
@@ -1003,7 +1007,7 @@ def test_block_returning_its_leaf_input_that_needs_grad(use_reentrant):
 
 
 def test_plain_paddle_reentrant_refuses_to_return_a_leaf_input():
-    lin = paddle.nn.Linear(4, 4)
+    lin = nonzero_biases(paddle.nn.Linear(4, 4))
     x = paddle.randn([2, 4])
     x.stop_gradient = False
     with pytest.raises(ValueError, match="inplace"):
@@ -1016,7 +1020,7 @@ def test_block_returning_an_input_that_needs_no_grad_keeps_it_stop_gradient(use_
     stop_gradient=True, as without recompute."""
 
     def build(rc):
-        lin = paddle.nn.Linear(4, 4)
+        lin = nonzero_biases(paddle.nn.Linear(4, 4))
         x = paddle.randn([2, 4])
         x.stop_gradient = False
         mask = paddle.ones([2, 4])
@@ -1035,7 +1039,7 @@ def test_block_returning_a_dict(use_reentrant, inputs_need_grad):
     `PyLayer.forward` is a `Tensor`"); ours returns the same dict as no recompute."""
 
     def build(rc):
-        lin = paddle.nn.Linear(4, 4)
+        lin = nonzero_biases(paddle.nn.Linear(4, 4))
         x = paddle.randn([2, 4])
         x.stop_gradient = not inputs_need_grad
         out = rc(lambda h: {"y": lin(h), "z": paddle.tanh(h) * 2.0}, x)
@@ -1053,7 +1057,7 @@ def test_reentrant_block_output_made_under_no_grad():
     recompute, no gradient flows from it and the rest is right."""
 
     def build(rc):
-        lin = paddle.nn.Linear(4, 4)
+        lin = nonzero_biases(paddle.nn.Linear(4, 4))
         x = paddle.randn([2, 4])
         x.stop_gradient = False
 
@@ -1068,7 +1072,7 @@ def test_reentrant_block_output_made_under_no_grad():
     ref, got = _ref_and_ours(build, True)
     _assert_equal_runs(ref, got)
     # the no_grad output alone: a loss of it alone gives nothing (and no error)
-    lin = paddle.nn.Linear(4, 4)
+    lin = nonzero_biases(paddle.nn.Linear(4, 4))
     x = paddle.randn([2, 4])
     x.stop_gradient = False
 

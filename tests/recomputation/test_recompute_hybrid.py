@@ -13,6 +13,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 from paddle.incubate.distributed.fleet import recompute_hybrid as incubate_recompute_hybrid
 
 import paddle_mgrad
+from helpers import nonzero_biases
 from paddle_mgrad import RecomputeError, registry, stats
 from userlayers import SEEN, Block, SaveAll
 
@@ -191,7 +192,7 @@ def test_offload_and_partition(monkeypatch, offload, partition):
 def test_tuple_outputs_as_fleet():
     """Pipeline stages pass masks/ids through: non-float outputs come back stop_gradient."""
     paddle_mgrad.enable(recompute=True)
-    lin = paddle.nn.Linear(8, 8)
+    lin = nonzero_biases(paddle.nn.Linear(8, 8))
     mask = paddle.ones([2, 3, 8])  # stop_gradient input returned as is
     ids = paddle.to_tensor([1, 2, 3])
 
