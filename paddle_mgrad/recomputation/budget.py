@@ -429,8 +429,8 @@ def _spare_most(budget, seconds, nbytes, owner) -> frozenset:
             kept = sorted(thinned.values())
         return kept
 
-    def extend(plans, name):
-        return plans + [(b + nbytes[name], s + seconds[name], n + (name,)) for b, s, n in plans]
+    def adding(plans, name):
+        return [(b + nbytes[name], s + seconds[name], n + (name,)) for b, s, n in plans]
 
     linears = {n for n in seconds if owner.get(n) in seconds}  # (of a sublayer measured)
     for name in seconds:
@@ -438,11 +438,10 @@ def _spare_most(budget, seconds, nbytes, owner) -> frozenset:
             continue  # (with its sublayer)
         inner = [n for n in seconds if n in linears and owner[n] == name]
         if not inner:
-            front = fits(extend(front, name))
+            front = fits(front + adding(front, name))
             continue
         parts = front
         for n in inner:
-            parts = fits(extend(parts, n))
-        whole = [(b + nbytes[name], s + seconds[name], n + (name,)) for b, s, n in front]
-        front = fits(parts + whole)
+            parts = fits(parts + adding(parts, n))
+        front = fits(parts + adding(front, name))  # (its linears, or it whole)
     return frozenset(front[-1][2])
