@@ -113,24 +113,27 @@ ABORT = "Exit code -6"
 #: what PaddleNLP's/PaddleFormers' Trainer logs when train() returned
 COMPLETED = "Training completed."
 #: what a rank's log shows when the rendezvous failed while the process group was created, each
-#: a pair of strings found together: a refused gloo connection (Paddle 2.6.2 and 3.3.1:
+#: a set of strings found together: a refused gloo connection (Paddle 2.6.2 and 3.3.1:
 #: ``ProcessGroupGloo.create`` ... ``Connection refused``); Paddle 3.3.1's TCPStore server
 #: aborting in libuv when it could not take its port (``create libuv server at port`` then
-#: libuv's assertion in ``uv__finish_close``)
+#: libuv's assertion in ``uv__finish_close``); gloo's pair connection timing out inside
+#: ``ProcessGroupGloo.create`` (Paddle 2.6.2, ``pair.cc:917] TIMEOUT`` on both ranks, in
+#: ``fleet.init`` while the sharding group was created on a loaded 2-core machine)
 RENDEZVOUS_FAILURES = (
     ("ProcessGroupGloo", "Connection refused"),
     ("create libuv server at port", "uv__finish_close"),
+    ("ProcessGroupGloo.create", "gloo/transport/tcp/pair.cc", "] TIMEOUT"),
 )
 
 
 def rendezvous_failed(texts) -> bool:
     """One of the rank logs ``texts`` shows a failed rendezvous (:data:`RENDEZVOUS_FAILURES`).
 
-    A port taken between the launcher's probe and the rank's bind (:func:`launch_ports`) fails
-    a run in ``fleet.init``, before any paddle_mgrad code ran: CI 2026-12-02 lost a 2-rank run
-    to a refused gloo rendezvous on Paddle 2.6.2, CI 2026-12-04 one to the TCPStore server's
-    abort on 3.3.1.  Such a run is repeated once (:func:`launch`,
-    ``fleet/launch/launching.run``)."""
+    Such a failure stops a run in ``fleet.init``, before training began: a port taken between
+    the launcher's probe and the rank's bind (:func:`launch_ports`) refuses the gloo connection
+    (Paddle 2.6.2) or aborts the TCPStore server (3.3.1); gloo's pair connection can also time
+    out there (2.6.2).  CI lost 2-rank runs to each.  Such a run is repeated once
+    (:func:`launch`, ``fleet/launch/launching.run``)."""
     return any(all(s in t for s in failure) for t in texts for failure in RENDEZVOUS_FAILURES)
 
 
@@ -181,8 +184,9 @@ def _paddles_failure(out_dir, out, nproc):
     if any(rendezvous_failed([t]) and COMPLETED not in t for t in texts):  # before training
         return (
             "refused",
-            "failed a rank's rendezvous before training (a port taken between the "
-            "launcher's choice and the rank's bind)",
+            "failed a rank's rendezvous before training (Paddle's process group creation: "
+            "a port taken between the launcher's choice and the rank's bind, or gloo's "
+            "connection timed out)",
         )
     return None
 

@@ -30,6 +30,9 @@ REFUSED = [
     "I1204 17:07:08.223276  3764 tcp_store.cc:336] create libuv server at port: 58764\npython: "
     "/paddle/third_party/libuv/src/unix/core.c:314: uv__finish_close: Assertion `handle->flags "
     "& UV_HANDLE_CLOSING' failed.",
+    "Traceback (most recent call last):\n  ...\n    pg = core.ProcessGroupGloo.create(store, "
+    "rank, world_size, group_id)\nRuntimeError: [/paddle/third_party/gloo/gloo/transport/tcp/"
+    "pair.cc:917] TIMEOUT self_rank = 0 pair_rank = 1 peer_str = [127.0.0.1]:27528",
 ][int(os.environ.get("FAKE_RENDEZVOUS_FAILURE", "0"))]
 if rank == "0" and (mode == "refused_always"
                     or (mode == "refused_once" and not os.path.exists(marker))):

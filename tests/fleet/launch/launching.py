@@ -37,17 +37,17 @@ def run(cmd, out, what, timeout):
 
     One retry, for one failure only: a rank whose rendezvous failed while the process group was
     created, before it wrote a result (``script_runs.rendezvous_failed``: a port taken between
-    the launcher's choice and the rank's bind).  The failed run's logs are kept in
-    ``out/log.refused``."""
+    the launcher's choice and the rank's bind, or gloo's connection timed out).  The failed
+    run's logs are kept in ``out/log.refused``."""
     code, output = _run_once(cmd, out, what, timeout)
     if code != 0 and _rendezvous_failed_at_start(out):
         kept = os.path.join(out, "log.refused")
         shutil.rmtree(kept, ignore_errors=True)
         os.rename(os.path.join(out, "log"), kept)
         print(
-            f"\n--- NOTE: {what}: a rank's rendezvous failed before training (a port taken "
-            f"between the launcher's choice and the rank's bind); repeated once, first logs in "
-            f"{kept}"
+            f"\n--- NOTE: {what}: a rank's rendezvous failed before training (Paddle's process "
+            f"group creation: a port taken between the launcher's choice and the rank's bind, "
+            f"or gloo's connection timed out); repeated once, first logs in {kept}"
         )
         code, output = _run_once(cmd, out, what, timeout)
     if code != 0:

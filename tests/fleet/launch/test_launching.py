@@ -24,6 +24,8 @@ if rank == "0" and (mode == "always" or (mode == "once" and not os.path.exists(m
         "Connection refused",
         "tcp_store.cc:336] create libuv server at port: 58764\npython: core.c:314: "
         "uv__finish_close: Assertion `handle->flags & UV_HANDLE_CLOSING' failed.",
+        "    pg = core.ProcessGroupGloo.create(store, rank, world_size, group_id)\nRuntimeError: "
+        "[/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:917] TIMEOUT self_rank = 0",
     ][int(os.environ.get("FAKE_RENDEZVOUS_FAILURE", "0"))], flush=True)
     sys.exit(1)
 if rank == "0" and mode == "crash":
