@@ -18,7 +18,8 @@ accumulate into ``.grad`` / ``main_grad``), or the
 :class:`~paddle_mgrad.autograd.passes.FunctionalPass` of a ``paddle.grad`` call
 (gradients are only returned).  A backward nested in another (Paddle's reentrant
 recompute runs ``paddle.autograd.backward`` inside its PyLayer's backward) pushes
-its own kind and pops it on return.
+its own kind and pops it on return.  With the kind goes whether the pass frees the graph it
+runs (:func:`frees_graph`): an ordinary backward without ``retain_graph``.
 
 The wrappers are pass-throughs otherwise; they are registry entries
 (``Tensor.backward``, ``autograd.backward``, ``grad`` in :mod:`paddle_mgrad.registry`)
@@ -36,6 +37,11 @@ from ..threadstate import thread_state
 
 _state = thread_state("BackwardPassState", depth=0, error=None, passes=None)
 
+#: where ``retain_graph`` lies among the positional arguments of ``Tensor.backward(self,
+#: grad_tensor, retain_graph)`` and ``paddle.autograd.backward(tensors, grad_tensors,
+#: retain_graph)`` (Paddle 2.6 and 3.x; default False)
+_RETAIN_GRAPH_AT = 2
+
 
 def record(error: BaseException):
     """Keep ``error`` (the first one) to re-raise as itself when the running pass ends; outside
@@ -48,12 +54,21 @@ def current_pass():
     """The innermost running pass of this thread: None (ordinary ``backward()``, or no
     wrapped pass at all) or the functional pass object of a ``paddle.grad`` call."""
     stack = _state.passes
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None
 
 
-def run(orig, args, kwargs, kind=None):
-    """Call ``orig`` (a backward entry point) as a pass of ``kind`` (see module doc),
-    re-raising an error recorded during it as itself."""
+def frees_graph() -> bool:
+    """Whether the innermost running pass of this thread is an ordinary backward that frees
+    the graph it runs (no ``retain_graph``): what that pass reads of a saved tensor is not read
+    again.  False outside a wrapped pass (nobody can tell) and in a ``paddle.grad`` pass (it
+    runs a copy of the graph: an ordinary backward may run the graph itself afterwards)."""
+    stack = _state.passes
+    return bool(stack) and stack[-1][1]
+
+
+def run(orig, args, kwargs, kind=None, frees=False):
+    """Call ``orig`` (a backward entry point) as a pass of ``kind`` (see module doc) that frees
+    its graph or not (``frees``), re-raising an error recorded during it as itself."""
     depth = _state.depth
     if depth == 0:
         _state.error = None
@@ -61,7 +76,7 @@ def run(orig, args, kwargs, kind=None):
     stack = _state.passes
     if stack is None:
         stack = _state.passes = []
-    stack.append(kind)
+    stack.append((kind, frees))
     has_grad = tracer()._has_grad
     try:
         return orig(*args, **kwargs)
@@ -87,7 +102,12 @@ def wrap(orig):
 
     @functools.wraps(orig)
     def backward(*args, **kwargs):
-        return run(orig, args, kwargs, None)
+        retain = (
+            args[_RETAIN_GRAPH_AT]
+            if len(args) > _RETAIN_GRAPH_AT
+            else kwargs.get("retain_graph", False)
+        )
+        return run(orig, args, kwargs, None, not retain)
 
     backward.__wrapped_by_paddle_mgrad__ = True
     return backward

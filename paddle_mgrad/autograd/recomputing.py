@@ -115,6 +115,7 @@ class KeptOutputs:
         "skipped_flops",
         "inside",
         "timings",
+        "release",
     )
 
     def __init__(self, wants, timings=None):
@@ -129,6 +130,8 @@ class KeptOutputs:
         self.inside = None
         #: ``{id(weight): [seconds, output bytes, [(output alias, its inplace version)]]}``
         self.timings = timings
+        #: whether the current recomputation lets go of each entry it takes (:meth:`rewind`)
+        self.release = False
 
     # -- forward --------------------------------------------------------------
     def offer(self, apply, x, weight, *args):
@@ -189,9 +192,15 @@ class KeptOutputs:
         return sum(e is not None for e in self.entries)
 
     # -- recomputation ----------------------------------------------------------
-    def rewind(self):
-        """Before a recomputation (a second backward replays again)."""
+    def rewind(self, release=False):
+        """Before a recomputation (a second backward replays again).  ``release``: the
+        recomputation runs in a backward that frees the graph: each entry it takes is let go of
+        (the replay's ops hold what they saved of it until their own backward, as under full
+        recompute), where kept it would live as long as the graph -- in a training loop that
+        holds the last ``loss``, through the next step's forward.  A later recomputation of
+        the block (a second backward all the same) computes those linears again."""
         self.cursor = self.skipped = self.skipped_flops = 0
+        self.release = release
 
     def take(self, x, weight):
         """``(output, stop_gradient)`` kept for this call, or None: compute it."""
@@ -211,6 +220,8 @@ class KeptOutputs:
             or list(weight.shape) != w_shape
         ):
             return None
+        if self.release:
+            self.entries[i] = None
         self.skipped += 1
         self.skipped_flops += 2 * math.prod(t.shape) * x_shape[-1]
         return t, stop_gradient

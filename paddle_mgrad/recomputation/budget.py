@@ -33,12 +33,14 @@ elementwise ops weigh more), so it is measured, not assumed:
 * **Budget**: the blocks hold ``L·(A + I)`` without recompute, ``L·I + A`` under full recompute
   (every block's input, and the activations of the one being recomputed).  A plan keeping ``K``
   of each block adds ``L·K``: ``K`` in every other block alive, and in the one being
-  recomputed too -- its backward holds a kept value from its start to its end, where without
-  a policy the op that saved it lets go of it once its own backward ran (measured on a llama
-  decoder layer, host allocator: keeping the gate or up projection's output, which the
-  activation after it saves anyway, or the post-attention norm raised the step's peak by their
-  bytes in every block alive; keeping q, the input norm, the MLP or the attention whole by
-  less, down to ``(L - 1)·K``: the count errs high, never low).
+  recomputed too -- its replay peaks where its costliest activations are made (a decoder
+  layer's attention scores and softmax), and holds then every value kept for the ops after
+  that point, which full recompute has not made yet (measured on a llama decoder layer, host
+  allocator read at each tensor the replay saves: keeping the gate or up projection's output
+  or the post-attention norm raised the step's peak by their bytes in every block alive;
+  keeping q, the input norm, the MLP or the attention whole by less, down to ``(L - 1)·K``,
+  as what the replay consumes before its peak is there under full recompute too: the count
+  errs high, never low).
   A step also holds memory outside its blocks at its peak (``O``: logits, the loss, gradients,
   backward's temporaries), under every policy alike: it is read from the allocator
   (:mod:`.memory`) in the measured steps -- the most a step held above what was allocated at its

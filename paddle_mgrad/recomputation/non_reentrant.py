@@ -127,6 +127,9 @@ class _Frame:
         self.holders: list = []
         #: ``[(index, tensor)]`` of the empty holders while the forward runs (then None)
         self.pending: list = []
+        #: indices of kept sublayers' saved tensors backward let go of and reads again: the next
+        #: recomputation runs their sublayers and stores them (:meth:`unpack`)
+        self.wanted: set = set()
 
     # -- forward -----------------------------------------------------------
     def _keep(self, x) -> bool:
@@ -160,16 +163,23 @@ class _Frame:
         return holder
 
     def unpack(self, holder):
-        if holder.kept:
-            if holder.version is not None and holder.value._inplace_version() != holder.version:
-                self._raise_modified(holder)
+        if holder.kept and holder.version is None:  # a parameter, an argument, kept for good
             if id(holder.value) in self.arg_ids:  # (backward reads the argument itself)
                 self._check_arguments_unchanged()
             if holder.for_op and holder.value is not None:
                 return buffer_sharing_tensor(holder.value)
             return holder.value
+        if holder.kept and holder.value is not None:  # saved by a kept sublayer
+            if holder.value._inplace_version() != holder.version:
+                self._raise_modified(holder)
+            value = holder.value
+            if self.args is not None and _errors.frees_graph():
+                holder.value = None  # (module docstring: let go of once backward read it)
+            return buffer_sharing_tensor(value) if holder.for_op else value
         try:
             if holder.value is None:
+                if holder.kept:  # a kept sublayer's, read before and let go of
+                    self.wanted.add(holder.index)
                 self.rerun()
             if holder.value is None:  # pragma: no cover - defensive
                 raise RecomputeError(
@@ -179,8 +189,15 @@ class _Frame:
         except RecomputeError as e:
             _errors.record(e)  # Paddle's engine re-raises it as OSError
             raise
+        if holder.kept:
+            return self.unpack(holder)
         value, holder.value = holder.value, None  # backward has it: freed with its use
         return value
+
+    def wants(self, start: int, end: int) -> bool:
+        """Whether backward wants one of saved tensors #``start`` to #``end`` (a kept
+        sublayer's) again after it let go of it: a recomputation must run that sublayer."""
+        return any(start <= i < end for i in self.wanted)
 
     def _raise_modified(self, holder):
         e = RecomputeError(
@@ -322,7 +339,12 @@ class _Frame:
                 )
                 return None
             holder = holders[i]()
-            if holder is None or holder.kept:
+            if holder is None:
+                return None
+            if holder.kept:
+                if i in self.wanted:  # a kept sublayer's, let go of and wanted again
+                    self.wanted.discard(i)
+                    holder.value, holder.version = detached_view(x), x._inplace_version()
                 return None
             if i in prints:
                 recomputed_prints.append((i, fingerprint(x), describe(x)))
@@ -334,7 +356,7 @@ class _Frame:
 
         kept, sublayers = self.kept, self.sublayers
         if self.policy is not None:
-            _policy.rewind(kept, sublayers)
+            _policy.rewind(kept, sublayers, _errors.frees_graph())
         self.replaying = True
         try:
             with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(

@@ -186,12 +186,14 @@ def forward_done(
     )
 
 
-def rewind(kept: Optional[KeptOutputs], sublayers):
-    """Before a recomputation of a block (a second backward replays again)."""
+def rewind(kept: Optional[KeptOutputs], sublayers, release: bool = False):
+    """Before a recomputation of a block (a second backward replays again).  ``release``: it
+    runs in a backward that frees the graph; what it hands on of the forward's is let go of
+    (:meth:`.KeptOutputs.rewind`, :meth:`.saved_sublayers.Sublayers.rewind`)."""
     if kept is not None:
-        kept.rewind()
+        kept.rewind(release)
     if sublayers is not None:
-        sublayers.rewind()
+        sublayers.rewind(release)
 
 
 def record_replay(policy: Policy, kept: Optional[KeptOutputs], sublayers):

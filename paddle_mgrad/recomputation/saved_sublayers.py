@@ -252,6 +252,7 @@ class Sublayers:
         "measure",
         "times",
         "costs",
+        "release",
     )
 
     def __init__(self, layers, measure=None):
@@ -264,6 +265,7 @@ class Sublayers:
         self.measure = measure
         self.times: dict = {}
         self.costs: dict = {}
+        self.release = False  # the current recomputation lets go of the outputs it hands on
 
     def call(self, frame, layer, forward, args, kwargs):
         """``layer``'s call inside the block: recorded in the forward, skipped (or run) in a
@@ -317,6 +319,7 @@ class Sublayers:
             or region.outputs is None
             or frame.cursor != region.start
             or not region.unchanged()
+            or frame.wants(region.start, region.end)
         ):
             self.depth += 1
             try:
@@ -327,17 +330,24 @@ class Sublayers:
         if region.rng is not None:
             region.rng.apply()
         self.skipped += 1
+        outputs = region.outputs
+        if self.release:  # (a later recomputation runs the sublayer again)
+            region.outputs, region.held = None, ()
         return _map(
-            region.outputs,
+            outputs,
             lambda h: (
                 replayed_output(h.tensor.detach(), h.stop_gradient) if isinstance(h, _Held) else h
             ),
         )
 
     # -- bookkeeping ------------------------------------------------------------
-    def rewind(self):
-        """Before a recomputation (a second backward replays again)."""
+    def rewind(self, release=False):
+        """Before a recomputation (a second backward replays again).  ``release``: it runs in a
+        backward that frees the graph: the held outputs it hands on are let go of (the ops
+        after the sublayer hold what they saved of them until their own backward), and a
+        later recomputation runs that sublayer again."""
         self.cursor = self.skipped = 0
+        self.release = release
 
     def drop(self):
         """The block will never be recomputed: hold nothing."""
