@@ -37,6 +37,16 @@ holder is reached from the graph, and a tensor made inside the graph held from t
 its own grad node -- a reference cycle through C++, never collected.  Kept ones become detached
 aliases for the same reason.
 
+**What a recompute policy keeps** (:mod:`.policy`, :mod:`.saved_sublayers`): a kept
+sublayer's saved tensors get kept holders that also record the inplace version they were
+saved at.  A backward that frees the graph (``backward_errors.frees_graph``) lets go of each
+once it read it, as Paddle lets go of a saved tensor once its op's backward ran: held until
+the graph dies, they would outlive the step wherever its ``loss`` does (a training loop holds
+the last one through the next forward).  Read again after that (a ``PyLayer`` that reads its
+saved tensor twice), it is recomputed: the next recomputation runs its sublayer
+(:meth:`_Frame.wants`) and stores it.  A block that changed an argument in place is never
+recomputed: there nothing is let go of.
+
 The forward records each saved tensor's shape and dtype; recomputation checks
 them, and a different count, shape or dtype raises :class:`RecomputeError`
 naming the tensor, where Paddle silently computes wrong gradients.  With
@@ -174,7 +184,7 @@ class _Frame:
                 self._raise_modified(holder)
             value = holder.value
             if self.args is not None and _errors.frees_graph():
-                holder.value = None  # (module docstring: let go of once backward read it)
+                holder.value = None  # (module docstring: backward read it)
             return buffer_sharing_tensor(value) if holder.for_op else value
         try:
             if holder.value is None:
