@@ -192,7 +192,7 @@ class KeptOutputs:
         return sum(e is not None for e in self.entries)
 
     # -- recomputation ----------------------------------------------------------
-    def rewind(self, release=False):
+    def rewind(self, release):
         """Before a recomputation (a second backward replays again).  ``release``: the
         recomputation runs in a backward that frees the graph: each entry it takes is let go of
         (the replay's ops hold what they saved of it until their own backward, as under full

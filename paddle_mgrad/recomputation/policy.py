@@ -186,7 +186,7 @@ def forward_done(
     )
 
 
-def rewind(kept: Optional[KeptOutputs], sublayers, release: bool = False):
+def rewind(kept: Optional[KeptOutputs], sublayers, release: bool):
     """Before a recomputation of a block (a second backward replays again).  ``release``: it
     runs in a backward that frees the graph; what it hands on of the forward's is let go of
     (:meth:`.KeptOutputs.rewind`, :meth:`.saved_sublayers.Sublayers.rewind`)."""

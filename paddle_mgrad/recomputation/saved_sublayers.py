@@ -341,7 +341,7 @@ class Sublayers:
         )
 
     # -- bookkeeping ------------------------------------------------------------
-    def rewind(self, release=False):
+    def rewind(self, release):
         """Before a recomputation (a second backward replays again).  ``release``: it runs in a
         backward that frees the graph: the held outputs it hands on are let go of (the ops
         after the sublayer hold what they saved of them until their own backward), and a

@@ -230,20 +230,37 @@ def test_no_graph_outlives_its_step(op, ending):
     assert not alive, alive
 
 
+class _Square(paddle.autograd.PyLayer):
+    """``x * x`` that saves its input itself (a ``PyLayer`` save: the very object)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensor()
+        return 2.0 * g * x
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("block", ["replayed", "argument_only", "no_linear"])
+@pytest.mark.parametrize("block", ["replayed", "argument_only", "no_linear", "pylayer_argument"])
 def test_an_argument_changed_after_the_block_raises(block, mode):
     """A tensor argument changed in place after the block returned, before backward: the
     replay would start from the changed value (and a kept argument would hand it to backward
     itself) -- silently wrong gradients, in both of plain Paddle's recompute modes.  Plain
     Paddle without recompute refuses the first two (the linear saved the argument); ours
-    refuses all three in both modes, by name, and the next step trains."""
+    refuses each in both modes, by name, and the next step trains.  ``pylayer_argument``
+    saves nothing but the argument itself: nothing is recomputed, and backward reading the
+    argument must tell."""
     paddle.seed(3)
     lin = paddle.nn.Linear(D, D)
     fn = {
         "replayed": lambda t: paddle.tanh(lin(t)),
         "argument_only": lambda t: lin(t),
         "no_linear": lambda t: paddle.tanh(t + 1.0),
+        "pylayer_argument": _Square.apply,
     }[block]
     reentrant = mode == "reentrant"
     paddle_mgrad.enable(recompute=True)

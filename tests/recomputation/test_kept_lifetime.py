@@ -103,18 +103,23 @@ class _ExpLayer(paddle.nn.Layer):
 
 
 class _Block(paddle.nn.Layer):
-    def __init__(self):
+    """``tanh(exp(lin(x)))``; ``last``: ``exp(lin(x))`` (backward reads ``exp``'s saved
+    tensor before anything in the block is recomputed)."""
+
+    def __init__(self, last=False):
         super().__init__()
         self.lin = paddle.nn.Linear(D, D)
         self.exp = _ExpLayer()
+        self.last = last
 
     def forward(self, x):
-        return paddle.tanh(self.exp(self.lin(x)))
+        y = self.exp(self.lin(x))
+        return y if self.last else paddle.tanh(y)
 
 
-def _grads(how, policy=None):
+def _grads(how, policy=None, last=False):
     paddle.seed(5)
-    net = _Block()
+    net = _Block(last)
     x = paddle.randn([ROWS, D])
     x.stop_gradient = False
     if how == "none":
@@ -125,24 +130,37 @@ def _grads(how, policy=None):
     return [out.numpy(), x.grad.numpy()] + [p.grad.numpy() for p in net.parameters()]
 
 
+@pytest.mark.parametrize(
+    "policy, last, replays",
+    [
+        # the replay for tanh's saved output skips exp; the second read runs it
+        ("save:exp", False, 2),
+        # the second read comes first: the one replay runs exp
+        ("save:exp", True, 1),
+        # exp's saved output is recomputed at each read; the first replay took the kept
+        # linear output and let go of it, the second multiplies again
+        ("gemm", False, 2),
+        ("gemm", True, 2),
+    ],
+)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_saved_tensor_of_a_kept_sublayer_read_twice_is_recomputed(mode):
-    """The kept ``exp`` sublayer's saved output is let go of at its first read; the second
-    read recomputes the block, that sublayer included: the same gradients as no recompute."""
+def test_a_value_read_again_after_it_was_let_go_of_is_recomputed(mode, policy, last, replays):
+    """A ``PyLayer`` that reads its saved tensor twice: what the first read let go of -- the
+    kept ``exp`` sublayer's saved output, the linear's kept output the replay handed on --
+    is recomputed for the second, with its block: the same gradients as no recompute."""
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     try:
-        plain = _grads("none")
+        plain = _grads("none", last=last)
         stats.reset()
-        got = _grads(mode, "save:exp")
+        got = _grads(mode, policy, last)
         counters = stats.snapshot()
     finally:
         paddle_mgrad.disable()
     for a, b in zip(got, plain):
         np.testing.assert_array_equal(a, b)
-    assert counters["policy"]["save:exp"]["sublayers_kept"] == 1
-    # the first recomputation skipped the sublayer; the second (its saved tensor read again)
-    # ran it
-    assert counters["recompute"]["recomputations"] == 2, counters["recompute"]
+    kept = counters["policy"][policy]
+    assert kept["sublayers_kept" if policy == "save:exp" else "kept_outputs"] == 1, kept
+    assert counters["recompute"]["recomputations"] == replays, counters["recompute"]
 
 
 @pytest.mark.parametrize("policy, attention_runs", [("save:self_attn", 1), ("save:mlp", 3)])

@@ -424,12 +424,12 @@ def test_kept_outputs_in_call_order():
     gemm_flops = 2 * 2 * ROWS * F * D  # [2, ROWS, D] @ [D, F] and [2, ROWS, F] @ [F, D]
     assert (kept.skipped, kept.skipped_flops) == (3, 3 * gemm_flops)
     # a second replay from the start: after the output changed, with another input shape
-    kept.rewind()
+    kept.rewind(False)
     last.scale_(2.0)
     taken = replay(first_x=paddle.ones([2, ROWS - 1, D]))
     assert [t is None for t in taken] == [True, False, False, True, True, True]
     assert (kept.skipped, kept.skipped_flops) == (2, 2 * gemm_flops)
-    kept.rewind()
+    kept.rewind(False)
     assert kept.take(x, w_out) is None  # the weight's shape differs from the forward's
     assert kept.take(paddle.ones([2, ROWS, F]), w_in) is None  # the input's does
 
