@@ -175,11 +175,19 @@ def main():
             f"  {name}: over {c.get('calls', 0)} block calls {c.get('kept_bytes', 0) / 2**20:.1f}"
             f" MiB kept; {c.get('gemms_not_recomputed', 0)} GEMMs "
             f"({c.get('gemm_flops_not_recomputed', 0) / 1e9:.2f} GFLOP) and "
-            f"{c.get('sublayers_not_recomputed', 0)} sublayer calls not recomputed"
+            f"{c.get('sublayers_not_recomputed', 0)} sublayer calls and "
+            f"{c.get('blocks_kept_whole', 0)} last blocks not recomputed"
         )
         for kind, plan in stats.snapshot()["plans"].get(name, {}).items():
             print(
-                f"    plan for {kind}: keep {plan['chosen']} within "
+                f"    plan for {kind}: keep {plan['chosen']}"
+                + (
+                    f" and the step's last block whole (+{plan['last_block_bytes'] / 2**20:.1f}"
+                    f" MiB, its forward {plan['block_seconds'] * 1e3:.0f} ms)"
+                    if plan.get("last_block")
+                    else ""
+                )
+                + " within "
                 f"{plan['budget_bytes'] / 2**20:.1f} MiB per call (activations "
                 f"{plan['block_bytes'] / 2**20:.1f} MiB, inputs {plan['input_bytes'] / 2**20:.1f}"
                 f" MiB, {plan['live_blocks']} blocks alive at once, outside them "

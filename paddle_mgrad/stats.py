@@ -34,7 +34,8 @@ recompute = {
 #: changed in place were dropped), sublayer calls kept (``sublayers_kept``, ``save:``), the
 #: bytes of both (``kept_bytes``: kept outputs, and a kept sublayer's outputs and saved
 #: tensors), ``replays`` (recomputations), and over those the GEMMs not recomputed, their
-#: FLOPs, and the sublayer calls not recomputed
+#: FLOPs, and the sublayer calls not recomputed; ``blocks_kept_whole``: block calls whose
+#: backward read what their forward saved, not recomputed (a step's last block, ``budget:``)
 policy: dict = {}
 #: per ``budget:`` policy, per kind of block (its Layer's class): the plan made after the
 #: measured calls -- ``chosen`` candidates, ``budget_bytes`` (what the plan may add to the
@@ -42,7 +43,9 @@ policy: dict = {}
 #: activations without recompute, and its arguments that need a gradient), ``outside_bytes``
 #: (what a measured step held outside the blocks at its peak), ``live_blocks``
 #: (block calls alive at once), ``measured_calls`` and per candidate the ``measured`` seconds
-#: and bytes.  A plan holds for the rest of the process (not cleared by :func:`reset`).
+#: and bytes; ``last_block`` (whether the step's last block is kept whole, not recomputed),
+#: what that adds to the step's peak (``last_block_bytes``) and ``block_seconds`` (a block's
+#: measured forward time).  A plan holds for the rest of the process (not cleared by :func:`reset`).
 plans: dict = {}
 POLICY_COUNTERS = (
     "calls",
@@ -53,6 +56,7 @@ POLICY_COUNTERS = (
     "gemm_flops_not_recomputed",
     "sublayers_kept",
     "sublayers_not_recomputed",
+    "blocks_kept_whole",
 )
 #: fused linear forwards/backwards (``overlap_*``: fleet's mp_async_allreduce column linear,
 #: ours; ``sp_overlap_*``: fleet's sp_async_reduce_scatter column linear, ours), gradients the

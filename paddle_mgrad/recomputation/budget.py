@@ -75,7 +75,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from .. import stats
 from ..autograd.recomputing import KeptOutputs
@@ -83,14 +83,27 @@ from .memory import allocated_on
 from .saved_sublayers import Sublayers, block_layers
 from .tensors import iter_tensors
 
-__all__ = ["MEASURED_CALLS", "BlockSaved", "Planner"]
+__all__ = ["MEASURED_CALLS", "BlockSaved", "Plan", "Planner"]
 
 #: block calls of a kind measured (at least) before its plan is made
 MEASURED_CALLS = 3
 #: a candidate's name for the output of the linears whose weight is the parameter at ``path``
 GEMM = "gemm:"
+#: what the plan's agreement between ranks calls keeping the step's last block whole
+LAST = "last block"
 #: :attr:`Planner.memory` before the blocks' place is known
 _UNSET = object()
+
+
+class Plan(NamedTuple):
+    """What a policy keeps of one block call: the GEMM outputs (``KeptOutputs`` or None:
+    none), the sublayers it does not recompute (``Sublayers`` or None: none), and ``whole``:
+    whether the call keeps everything it saved while it is the last block its thread ran
+    (:meth:`.non_reentrant._Frame.keep_whole`)."""
+
+    kept: object = None
+    sublayers: object = None
+    whole: bool = False
 
 
 # root Layer -> its kind's key; a model's structure is fixed once built
@@ -124,7 +137,9 @@ class _Kind:
         "block_bytes",
         "input_bytes",
         "calls",
+        "block_seconds",
         "chosen",
+        "last",
     )
 
     def __init__(self, label, names, params=()):
@@ -136,7 +151,9 @@ class _Kind:
         self.block_bytes = 0  # summed over calls
         self.input_bytes = 0  # summed over calls
         self.calls = 0
+        self.block_seconds = None  # the block's forward: min over calls (None: not timed)
         self.chosen = None  # tuple of names once planned
+        self.last = False  # whether the plan keeps the step's last block whole
 
 
 class BlockSaved(NamedTuple):
@@ -144,6 +161,7 @@ class BlockSaved(NamedTuple):
 
     activation_bytes: int  # its activations (``A``), each buffer once
     input_bytes: int  # its tensor arguments that need a gradient (``I``)
+    seconds: Optional[float] = None  # its forward's time
 
 
 class _Measurement:
@@ -164,7 +182,9 @@ class _Measurement:
             if name is not None:
                 seconds[name], costs[name] = s, nbytes
         kept.timings.clear()  # (it holds the linears' outputs: not until backward)
-        self.planner.measured(self.key, seconds, costs, block.activation_bytes, block.input_bytes)
+        self.planner.measured(
+            self.key, seconds, costs, block.activation_bytes, block.input_bytes, block.seconds
+        )
 
 
 def _never(x, weight, y) -> bool:
@@ -193,18 +213,19 @@ class Planner:
         self.memory = _UNSET
         self._step = None  # (allocated, peak) at the measured step's first block call
         self.step_bytes = 0  # the most a measured step held above that
+        self.head_bytes = 0  # the most it held above that before its first recomputation
         # root Layer -> what its plan keeps: (sublayers, weight ids)
         self._planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def plan(self, function, args, kwargs):
-        """``(KeptOutputs or None, Sublayers or None)`` of one call of the block: measuring
-        ones while its kind is measured, then the planned ones (None: nothing of that sort
-        kept, or no Layer found)."""
+    def plan(self, function, args, kwargs) -> Plan:
+        """The :class:`Plan` of one call of the block: measuring ``KeptOutputs`` and
+        ``Sublayers`` while its kind is measured, then the planned ones (None: nothing of that
+        sort kept, or no Layer found)."""
         roots = block_layers(function, args, kwargs)
         if not roots:
             with self.lock:
                 self.forwards += 1  # (alive until its backward all the same)
-            return None, None
+            return Plan()
         root = roots[0]
         key = _kind(root)
         with self.lock:
@@ -221,16 +242,16 @@ class Planner:
             children = dict(root.named_children())
             weights = {id(p): GEMM + name for name, p in root.named_parameters()}
             if not children and not weights:
-                return None, None
+                return Plan()
             names = {id(layer): name for name, layer in children.items()}
             measurement = _Measurement(self, key, names, weights)
-            return (
+            return Plan(
                 KeptOutputs(_never, timings={}),
                 Sublayers(tuple(children.values()), measurement),
             )
         layers, ids = self._planned_parts(root, chosen)
         kept = KeptOutputs(functools.partial(_chosen_weight, ids)) if ids else None
-        return kept, Sublayers(layers) if layers else None
+        return Plan(kept, Sublayers(layers) if layers else None, self.kinds[key].last)
 
     def _planned_parts(self, root, chosen):
         """The sublayers of ``root`` its plan keeps whole, and the ids of the weights whose
@@ -254,9 +275,10 @@ class Planner:
         costs: dict,
         block_bytes: int,
         input_bytes: int,
+        block_seconds: Optional[float] = None,
     ):
         """One measured block call is done (its forward): add its figures (seconds and bytes
-        by candidate name; the block's activation and input bytes)."""
+        by candidate name; the block's activation and input bytes, its forward's time)."""
         with self.lock:
             kind = self.kinds[key]
             if kind.chosen is not None:
@@ -271,6 +293,9 @@ class Planner:
                 kind.bytes[name] += costs.get(name, 0)
             kind.block_bytes += block_bytes
             kind.input_bytes += input_bytes
+            if block_seconds is not None:
+                best = kind.block_seconds
+                kind.block_seconds = block_seconds if best is None else min(best, block_seconds)
             kind.calls += 1
 
     def _step_starts(self, measured, args, kwargs):
@@ -282,6 +307,18 @@ class Planner:
                 self.memory = None if t is None else allocated_on(t)
             memory = self.memory
             self._step = (memory.now(), memory.peak()) if measured and memory else None
+
+    def replay_starts(self):
+        """A block of this policy is about to be recomputed.  The first recomputation of a
+        measured step: what the step held so far (the allocator's peak where the step raised
+        it, else what it holds now) -- its forward and the loss head's forward and backward,
+        where the step's last block, kept whole, would hold its activations too."""
+        with self.lock:
+            if self.forwards and self._step is not None:
+                before, peak_before = self._step
+                peak = self.memory.peak()
+                held = peak if peak > peak_before else self.memory.now()
+                self.head_bytes = max(self.head_bytes, held - before)
 
     def replayed(self):
         """A block of this policy was recomputed (in backward): the block calls since the last
@@ -309,8 +346,11 @@ class Planner:
             if kind.chosen is not None or kind.calls < MEASURED_CALLS or not self.live:
                 return kind.chosen
             group = _lockstep_group()
-            chosen = self._choose(kind)
-            kind.chosen = chosen if group is None else _agreed(kind.names, chosen, group)
+            chosen, last = self._choose(kind)
+            if group is not None:
+                agreed = _agreed(kind.names + (LAST,), chosen + ((LAST,) if last else ()), group)
+                chosen, last = tuple(n for n in agreed if n != LAST), LAST in agreed
+            kind.chosen, kind.last = chosen, last
             report = self._report(kind)
         stats.set_plan(self.name, kind.label, report)
         return kind.chosen
@@ -340,17 +380,40 @@ class Planner:
         a, i = kind.block_bytes / calls, kind.input_bytes / calls
         return max(0.0, self.step_bytes - (self.live - 1) * i - a)
 
+    def last_block_bytes(self, kind) -> float:
+        """What keeping a step's last block whole adds to the step's peak (module docstring):
+        its activations, held from its forward to its backward, which the loss head's
+        forward and backward run between, ``A + H - P``, with ``H`` the most a measured step
+        held before its first recomputation and ``P`` the most it held (never below 0)."""
+        a = kind.block_bytes / kind.calls
+        return max(0.0, a + self.head_bytes - self.step_bytes)
+
     def _choose(self, kind):
+        """``(names, last)``: the candidates kept, and whether the step's last block is kept
+        whole (module docstring)."""
         budget, nbytes = self.accounting(kind)  # (a candidate never called costs: none)
         seconds = {n: kind.seconds[n] for n in nbytes}
         owner = {n: kind.owner.get(n) for n in nbytes}
         chosen = _spare_most(budget, seconds, nbytes, owner)
-        return tuple(n for n in kind.names if n in chosen)
+        last, live = False, max(self.live, 1)
+        whole = self.last_block_bytes(kind)
+        if kind.block_seconds and whole <= budget:
+            # the last block not replayed spares its replay once per step; what else is kept
+            # is spared in the other n - 1 blocks (per step: n times a block's figures)
+            others = _spare_most(budget - whole, seconds, nbytes, owner)
+            spared = live * sum(seconds[c] for c in chosen)
+            spared_last = kind.block_seconds + (live - 1) * sum(seconds[c] for c in others)
+            if spared_last > spared:
+                chosen, last = others, True
+        return tuple(n for n in kind.names if n in chosen), last
 
     def _report(self, kind):
         calls = kind.calls
         return {
             "chosen": list(kind.chosen),
+            "last_block": kind.last,
+            "last_block_bytes": int(self.last_block_bytes(kind)),
+            "block_seconds": kind.block_seconds or 0.0,
             "budget_bytes": int(self.accounting(kind)[0]),
             "block_bytes": kind.block_bytes // calls,
             "input_bytes": kind.input_bytes // calls,

@@ -66,7 +66,9 @@ import weakref
 from .. import stats
 from .._compat import UNPACK_MOVES_HOLDER, is_parameter, paddle
 from ..autograd import backward_errors as _errors, recomputing as _recomputing
+from ..autograd.recomputing import timed
 from ..errors import RecomputeError
+from ..threadstate import thread_state
 from . import (
     amp as _amp,
     policy as _policy,
@@ -88,6 +90,21 @@ from .tensors import (
     iter_tensors,
     spec,
 )
+
+#: ``_last.frame``: a weak reference to the frame this thread keeps whole (its saved tensors
+#: kept from the forward: the thread's last block, under a plan that keeps it), or None
+_last = thread_state("LastBlock", frame=None)
+
+
+def _release_last():
+    """A block call starts: the block this thread kept whole is no longer its last one and will
+    be recomputed after all (:meth:`_Frame.keep_whole`)."""
+    ref = _last.frame
+    if ref is not None:
+        _last.frame = None
+        frame = ref()
+        if frame is not None:
+            frame.release_whole()
 
 
 class _Holder:
@@ -118,9 +135,15 @@ class _Frame:
         self.function = function
         # what the block's policy keeps from its forward (:mod:`.policy`); None: full
         self.policy = policy
-        self.kept, self.sublayers = (
-            (None, None) if policy is None else policy.plan(function, args, kwargs)
-        )
+        if policy is None:
+            self.kept = self.sublayers = None
+            self.keeps_whole = False
+        else:
+            self.kept, self.sublayers, self.keeps_whole = policy.plan(function, args, kwargs)
+        #: the indices of the saved tensors kept because the block was kept whole (None: not)
+        self.whole = None
+        self.whole_read = False  # backward read a tensor kept because of it
+        self.seconds = None  # a measuring call's forward time
         self.replaying = False  # inside rerun()
         self.cursor = 0  # rerun(): the index of the next saved tensor
         self.check = check  # "shapes", "values" or "none"
@@ -179,6 +202,8 @@ class _Frame:
             if holder.for_op and holder.value is not None:
                 return buffer_sharing_tensor(holder.value)
             return holder.value
+        if self.whole is not None and holder.kept and holder.value is not None:
+            self._reads_whole(holder)
         if holder.kept and holder.value is not None:  # saved by a kept sublayer
             if holder.value._inplace_version() != holder.version:
                 self._raise_modified(holder)
@@ -203,6 +228,55 @@ class _Frame:
             return self.unpack(holder)
         value, holder.value = holder.value, None  # backward has it: freed with its use
         return value
+
+    def keep_whole(self, pending):
+        """The forward returned, and the plan keeps the block whole while it is its thread's
+        last block: every tensor it saved is kept (``pending``: ``[(index, tensor)]``), as a
+        kept sublayer's are, and the block stops being the last one when the thread starts
+        another block call (:func:`_release_last`).  The step's last block keeps its values
+        through the loss head to its own backward, which reads them: it is not recomputed
+        (its recomputation would start right away, made for nothing but to be read)."""
+        whole = []
+        holders = self.holders
+        for index, x in pending:
+            holder = holders[index]()
+            if holder is not None:
+                holder.kept, holder.version = True, x._inplace_version()
+                holder.value = detached_view(x)
+                whole.append(index)
+        self.whole = frozenset(whole)
+        _release_last()
+        _last.frame = weakref.ref(self)
+
+    def release_whole(self):
+        """The block is recomputed after all: what :meth:`keep_whole` kept is dropped (an
+        empty holder again; its unpack recomputes)."""
+        whole, self.whole = self.whole, None
+        if whole is None:
+            return
+        for index in whole:
+            holder = self.holders[index]()
+            if holder is not None:
+                holder.kept, holder.value, holder.version = False, None, None
+
+    def _reads_whole(self, holder):
+        """Backward reads a kept saved tensor of a block kept whole.  One of the block's
+        activations changed in place since the forward (an op after the block on an output
+        it saved): the block is recomputed, as under full recompute.  At the first read, what
+        the policy keeps for a recomputation (GEMM outputs, kept sublayers' outputs) is let
+        go of in a backward that frees the graph (a recomputation, if one comes after all,
+        computes them)."""
+        if holder.index in self.whole and holder.value._inplace_version() != holder.version:
+            self.release_whole()
+            return
+        if not self.whole_read:
+            self.whole_read = True
+            stats.bump_policy(self.policy.name, blocks_kept_whole=1)
+            if _errors.frees_graph():
+                if self.kept is not None:
+                    self.kept.entries.clear()
+                if self.sublayers is not None:
+                    self.sublayers.drop()
 
     def wants(self, start: int, end: int) -> bool:
         """Whether backward wants one of saved tensors #``start`` to #``end`` (a kept
@@ -245,6 +319,8 @@ class _Frame:
                 saved_bytes=saved,
                 block=block,
             )
+        if not changed and self.keeps_whole:
+            self.keep_whole(pending)
         if changed:
             holders = self.holders
             for index, x in pending:
@@ -257,7 +333,7 @@ class _Frame:
     def saved(self) -> BlockSaved:
         """While the forward runs: what the block saved so far, as a measuring call of a
         ``budget:`` plan reports it."""
-        return BlockSaved(self.activation_bytes(), self.input_bytes())
+        return BlockSaved(self.activation_bytes(), self.input_bytes(), self.seconds)
 
     def activation_bytes(self, start: int = 0, outputs=()) -> int:
         """While the forward runs: the bytes of the activations saved since saved tensor
@@ -366,7 +442,7 @@ class _Frame:
 
         kept, sublayers = self.kept, self.sublayers
         if self.policy is not None:
-            _policy.rewind(kept, sublayers, _errors.frees_graph())
+            _policy.rewind(self.policy, kept, sublayers, _errors.frees_graph())
         self.replaying = True
         try:
             with _rng.replayed(self.rng), self.amp.replayed(), paddle.set_grad_enabled(
@@ -439,6 +515,7 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes", policy=None)
     nothing.  ``policy``: a :class:`.policy.Policy`, or None for full recompute."""
     _hooks.install_save_shim()
     _errors.install()
+    _release_last()
     with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py
         frame = _Frame(function, args, kwargs, preserve_rng_state, check, policy)
         # The frame holds the forward's saved tensors until the forward returns or raises, and
@@ -449,7 +526,11 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes", policy=None)
             with _hooks.hooks(frame.pack, frame.unpack), _recomputing.running(
                 None, frame.kept
             ), _saved_sublayers.running(frame.sublayers, frame):
-                outputs = function(*args, **kwargs)
+                if frame.sublayers is None or frame.sublayers.measure is None:
+                    outputs = function(*args, **kwargs)
+                else:  # (a budget: policy's measuring call: the block's time too)
+                    first = next(iter(frame.arg_tensors), None)
+                    outputs, frame.seconds = timed(first, function, *args, **kwargs)
         except BaseException:
             frame.forward_failed()
             raise

@@ -80,12 +80,12 @@ class Policy:
     patterns: Tuple[str, ...] = ()
     planner: Optional[_budget.Planner] = None  # budget: measures, then chooses what to keep
 
-    def plan(self, function, args, kwargs):
-        """What this policy keeps of one call of the block ``function(*args, **kwargs)``:
-        ``(KeptOutputs or None, Sublayers or None)`` -- the GEMM outputs it keeps (None: none)
-        and the sublayers it does not recompute (None: none)."""
+    def plan(self, function, args, kwargs) -> _budget.Plan:
+        """What this policy keeps of one call of the block ``function(*args, **kwargs)``
+        (:class:`.budget.Plan`): the GEMM outputs it keeps, the sublayers it does not
+        recompute, whether the call is kept whole while it is its thread's last block."""
         if self.planner is not None:
-            kept, sublayers = self.planner.plan(function, args, kwargs)
+            plan = self.planner.plan(function, args, kwargs)
         else:
             kept = sublayers = None
             if self.gemm:
@@ -93,9 +93,10 @@ class Policy:
             if self.patterns:
                 layers = _saved.matching(self.patterns, function, args, kwargs)
                 sublayers = _saved.Sublayers(layers) if layers else None
-        if kept is not None:
-            kept.inside = sublayers
-        return kept, sublayers
+            plan = _budget.Plan(kept, sublayers)
+        if plan.kept is not None:
+            plan.kept.inside = plan.sublayers
+        return plan
 
     def _asks(self, x, weight, y) -> bool:
         out_shape = tuple(y.shape)
@@ -186,10 +187,13 @@ def forward_done(
     )
 
 
-def rewind(kept: Optional[KeptOutputs], sublayers, release: bool):
+def rewind(policy: Policy, kept: Optional[KeptOutputs], sublayers, release: bool):
     """Before a recomputation of a block (a second backward replays again).  ``release``: it
     runs in a backward that frees the graph; what it hands on of the forward's is let go of
-    (:meth:`.KeptOutputs.rewind`, :meth:`.saved_sublayers.Sublayers.rewind`)."""
+    (:meth:`.KeptOutputs.rewind`, :meth:`.saved_sublayers.Sublayers.rewind`).  A ``budget:``
+    policy reads what a measured step held before it (:meth:`.budget.Planner.replay_starts`)."""
+    if policy.planner is not None:
+        policy.planner.replay_starts()
     if kept is not None:
         kept.rewind(release)
     if sublayers is not None:

@@ -7,6 +7,7 @@ import paddle
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
+from paddle_mgrad.recomputation import budget
 
 
 def train(
@@ -72,3 +73,16 @@ def assert_identical(got, ref):
         and (got[k] is None or ref[k] is None or not np.array_equal(got[k], ref[k]))
     ]
     assert not unequal, unequal
+
+
+def never_the_last_block(monkeypatch):
+    """``budget:`` plans never keep a step's last block whole (it never fits the budget): for
+    the tests of the other candidates (sublayers, GEMM outputs) whose blocks are each step's
+    only one -- kept whole, it would never be recomputed."""
+    monkeypatch.setattr(budget.Planner, "last_block_bytes", lambda self, kind: 2.0**62)
+
+
+def always_the_last_block(monkeypatch):
+    """Every ``budget:`` plan keeps a step's last block whole, beside what it chose."""
+    choose = budget.Planner._choose
+    monkeypatch.setattr(budget.Planner, "_choose", lambda self, kind: (choose(self, kind)[0], True))

@@ -57,12 +57,17 @@ def test_budget_equals_no_recompute(fresh_plans, mode, fraction):
     plan = stats.snapshot()["plans"][name]["Decoder"]
     counters = stats.snapshot()["policy"][name]
     chosen = plan["chosen"]
-    # planned after the measured calls; the planned calls skip what was chosen
+    # planned after the measured calls; the planned calls skip what was chosen -- unless the
+    # plan keeps the step's last block (here: each step's one block) whole: not recomputed
     planned = STEPS - budget.MEASURED_CALLS
+    whole = plan["last_block"]
+    assert counters["blocks_kept_whole"] == (planned if whole else 0)
+    replayed = 0 if whole else planned
     assert counters["calls"] == STEPS
     gemms_chosen = [n for n in chosen if n.startswith("gemm:")]
-    assert counters["sublayers_not_recomputed"] == planned * (len(chosen) - len(gemms_chosen))
+    assert counters["sublayers_not_recomputed"] == replayed * (len(chosen) - len(gemms_chosen))
     taken = sum(plan["measured"][n]["bytes"] for n in chosen)
+    taken += plan["last_block_bytes"] if whole else 0
     assert taken <= plan["budget_bytes"] == int(float(fraction) * plan["block_bytes"])
     assert plan["block_bytes"] > 0
     gemms = [f"gemm:{p}.weight" for p in GEMMS]
@@ -71,10 +76,11 @@ def test_budget_equals_no_recompute(fresh_plans, mode, fraction):
     )
     # each chosen linear's outputs are kept in the planned calls (none inside a kept sublayer)
     assert not any(n.split(":")[1].split(".")[0] in chosen for n in gemms_chosen)
-    assert counters["gemms_not_recomputed"] == planned * len(gemms_chosen)
+    assert counters["gemms_not_recomputed"] == replayed * len(gemms_chosen)
 
 
-def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans):
+def test_budget_one_keeps_something_and_zero_only_what_is_free(fresh_plans, monkeypatch):
+    policy_runs.never_the_last_block(monkeypatch)  # (each step's one block: kept whole else)
     train("non_reentrant", "budget:1")
     train("non_reentrant", "budget:0")
     plans = stats.snapshot()["plans"]
@@ -246,14 +252,14 @@ def test_a_plan_that_keeps_nothing_wraps_nothing(fresh_plans):
     kind = budget._Kind("Decoder", *budget._kind(net)[1:])
     planner.kinds[budget._kind(net)] = kind
     kind.chosen = ()
-    assert planner.plan(net, (), {}) == (None, None)
+    assert planner.plan(net, (), {}) == budget.Plan()
     kind.chosen = ("mlp",)
     planner._planned.clear()  # (a Layer's plan is looked up once)
-    kept, sublayers = planner.plan(net, (), {})
+    kept, sublayers, _ = planner.plan(net, (), {})
     assert kept is None and sublayers.layers == (net.mlp,)
     kind.chosen = ("gemm:self_attn.q_proj.weight",)
     planner._planned.clear()
-    kept, sublayers = planner.plan(net, (), {})
+    kept, sublayers, _ = planner.plan(net, (), {})
     assert sublayers is None
     x = paddle.ones([2, D])
     assert kept.wants(x, net.self_attn.q_proj.weight, x)
@@ -406,7 +412,7 @@ def test_blocks_without_a_layer_are_alive_too_and_keywords_find_the_place(fresh_
     planner = budget.Planner("budget:test", 0.5)
     x = paddle.ones([ROWS, D])
     for _ in range(2):
-        assert planner.plan(lambda h: h * 2, (x,), {}) == (None, None)
+        assert planner.plan(lambda h: h * 2, (x,), {}) == budget.Plan()
     planner.replayed()
     assert planner.live == 2
     planner = budget.Planner("budget:keywords", 0.5)
@@ -493,7 +499,8 @@ def test_a_tensor_parallel_group_runs_its_first_ranks_plan(fresh_plans, monkeypa
 
     def broadcast(mask, src, group=None, sync_op=True):
         sent.append((mask.numpy().tolist(), src, group))
-        mask.set_value(paddle.to_tensor([1, 0, 0], dtype="int32"))  # the first rank's plan
+        # the first rank's plan: a, and the step's last block whole
+        mask.set_value(paddle.to_tensor([1, 0, 0, 1], dtype="int32"))
 
     monkeypatch.setattr(fleet, "get_hybrid_communicate_group", lambda: _Group())
     monkeypatch.setattr(paddle.distributed, "broadcast", broadcast)
@@ -503,10 +510,11 @@ def test_a_tensor_parallel_group_runs_its_first_ranks_plan(fresh_plans, monkeypa
     planner.kinds[key] = budget._Kind("Block", names)
     _measure(planner, key, {"a": 1.0, "b": 9.0, "c": 1.0}, {"a": 50, "b": 10, "c": 0})
     assert len(sent) == 1 and sent[0][1:] == (4, sent[0][2])
-    assert sent[0][0] == [0, 1, 1]  # this rank's own plan: b and c
+    assert sent[0][0] == [0, 1, 1, 0]  # this rank's own plan: b and c (then: the last block)
     assert isinstance(sent[0][2], _Group)
-    assert planner.kinds[key].chosen == ("a",)
-    assert stats.snapshot()["plans"]["budget:test"]["Block"]["chosen"] == ["a"]
+    assert (planner.kinds[key].chosen, planner.kinds[key].last) == (("a",), True)
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert (report["chosen"], report["last_block"]) == (["a"], True)
 
 
 def test_outside_fleet_there_is_no_group_to_agree_with(fresh_plans, monkeypatch):
@@ -911,7 +919,8 @@ def test_a_step_of_several_blocks_is_planned_for_all_of_them_alive(fresh_plans, 
     """Three blocks per step: the first step measures all three (no backward seen before its
     end), the plan is made at the second step's first call for three blocks alive at once
     and what the step holds outside them, and every call after runs it -- bit-identical to no
-    recompute."""
+    recompute.  (The step's last block kept whole: test_last_block.py.)"""
+    policy_runs.never_the_last_block(monkeypatch)
     steps = 3
     ref = policy_runs.train(lambda: _Stack(False), "none", None, steps, rows=ROWS, d=D)
     monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", "budget:0.9")

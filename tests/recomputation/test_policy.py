@@ -17,7 +17,7 @@ import paddle_mgrad
 from helpers import nonzero_biases
 from paddle_mgrad import EnvError, linear, stats
 from paddle_mgrad.autograd import recomputing
-from paddle_mgrad.recomputation import policy as policy_mod
+from paddle_mgrad.recomputation import budget, policy as policy_mod
 
 MODES = ("reentrant", "non_reentrant")
 D, F, ROWS = 8, 12, 3
@@ -146,6 +146,7 @@ def test_what_the_recomputation_multiplies(monkeypatch, policy, op, recomputed, 
             "gemm_flops_not_recomputed": sum(flops[k] for k in kept_names),
             "sublayers_kept": 0,
             "sublayers_not_recomputed": 0,
+            "blocks_kept_whole": 0,
         }
     }
 
@@ -299,6 +300,7 @@ def test_a_callable_policy_is_asked_about_a_3d_input():
         "gemm_flops_not_recomputed": 2 * 2 * ROWS * F * D,
         "sublayers_kept": 0,
         "sublayers_not_recomputed": 0,
+        "blocks_kept_whole": 0,
     }
 
 
@@ -462,6 +464,7 @@ def test_a_block_that_changes_its_input_keeps_nothing_for_its_policy(policy):
         "gemm_flops_not_recomputed": 0,
         "sublayers_kept": 0,
         "sublayers_not_recomputed": 0,
+        "blocks_kept_whole": 0,
     }
     assert stats.snapshot()["recompute"]["kept_from_forward"] == 1
 
@@ -475,7 +478,7 @@ def test_a_save_policy_is_made_once_per_name(monkeypatch):
         "save:mlp.down,*Norm", gemm=False, patterns=("mlp.down", "*Norm")
     )
     with pytest.warns(RuntimeWarning, match="matches no sublayer"):  # (no Layer in the block)
-        assert made.plan(lambda h: h, (), {}) == (None, None)
+        assert made.plan(lambda h: h, (), {}) == budget.Plan()
     assert policy_mod.resolve("save:mlp.down,*Norm") is made
 
 

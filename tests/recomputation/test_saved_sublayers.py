@@ -733,6 +733,7 @@ def test_a_kept_sublayer_with_keyword_arguments_and_structured_outputs(mode, pol
     if policy.startswith("budget:"):
         monkeypatch.setattr(policy_mod, "_NAMED", {})
         monkeypatch.setattr(stats, "plans", {})
+        policy_runs.never_the_last_block(monkeypatch)  # (each step's one block)
     stats.reset()
     ref = policy_runs.train(Structured, "none", None, 4, rows=ROWS, d=D)
     got = policy_runs.train(Structured, mode, policy, 4, rows=ROWS, d=D)

@@ -1,0 +1,283 @@
+"""A step's last recompute block kept whole (:meth:`.non_reentrant._Frame.keep_whole`, chosen by
+a ``budget:`` plan, :mod:`paddle_mgrad.recomputation.budget`).
+
+Its backward comes right after the loss head: recomputed, it would be replayed only to be read.
+Under a plan that keeps it, a block keeps what it saved until the thread starts another block
+call; the step's last one reaches its backward with its values and is not recomputed.  Every
+gradient stays bit-identical to no recompute; a block that turns out not to be the last one, or
+whose saved output an op after it changed in place, is recomputed as under full recompute."""
+
+import gc
+
+import numpy as np
+import paddle
+import pytest
+from decoder import ROWS, D, Decoder, custom_forward
+from policy_runs import always_the_last_block, assert_identical, train
+
+import paddle_mgrad
+from paddle_mgrad import stats
+from paddle_mgrad.recomputation import budget, memory, non_reentrant, policy as policy_mod
+
+MODES = ("reentrant", "non_reentrant")
+LAYERS = 3
+STEPS = 3  # the first step measures (its three calls, then a backward); the others are planned
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(policy_mod, "_NAMED", {})
+    monkeypatch.setattr(stats, "plans", {})
+    stats.reset()
+
+
+class _Squashed(Decoder):
+    """A decoder layer whose output is saved by its last op (sigmoid saves its output)."""
+
+    def forward(self, h):
+        return paddle.nn.functional.sigmoid(super().forward(h))
+
+
+class _Stack(paddle.nn.Layer):
+    """``LAYERS`` decoder layers, each a recompute block of its own in ``mode`` (None: none) under
+    ``policy``, as a model's layers are."""
+
+    def __init__(self, mode, policy, layer=Decoder):
+        super().__init__()
+        self.layers = paddle.nn.LayerList([layer() for _ in range(LAYERS)])
+        self.mode, self.policy = mode, policy
+
+    def forward(self, h):
+        for layer in self.layers:
+            if self.mode is None:
+                h = layer(h)
+            else:
+                h = paddle_mgrad.recompute(
+                    custom_forward(layer),
+                    h,
+                    use_reentrant=self.mode == "reentrant",
+                    policy=self.policy,
+                )
+        return h
+
+
+def _run(mode, policy=None, steps=STEPS, layer=Decoder, after=None):
+    return train(
+        lambda: _Stack(mode, policy, layer), "none", None, steps, rows=ROWS, d=D, after=after
+    )
+
+
+@pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_steps_last_block_is_not_recomputed(fresh_plans, monkeypatch, mode, fraction):
+    """Bit-identical to no recompute; from the first planned step on, each step replays all
+    blocks but its last."""
+    always_the_last_block(monkeypatch)
+    ref = _run(None)
+    got = _run(mode, f"budget:{fraction}")
+    assert_identical(got, ref)
+    name = f"budget:{float(fraction):g}"
+    counters = stats.snapshot()["policy"][name]
+    assert stats.snapshot()["plans"][name]["Decoder"]["last_block"] is True
+    planned_steps = STEPS - 1
+    assert counters["calls"] == LAYERS * STEPS
+    assert counters["blocks_kept_whole"] == planned_steps
+    assert counters["replays"] == LAYERS * STEPS - planned_steps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_followed_by_another_forward_is_recomputed(fresh_plans, monkeypatch, mode):
+    """Two forwards, then one backward of both losses (two micro-batches summed): the first
+    forward's last block stopped being the last when the second forward started -- it is
+    recomputed; the second forward's last block is not."""
+    always_the_last_block(monkeypatch)
+
+    def two_forwards(policy):
+        paddle.seed(5)
+        net = _Stack(mode if policy else None, policy)
+        xs = [paddle.randn([ROWS, D]) for _ in range(2)]
+        out = []
+        for _ in range(STEPS):
+            loss = sum((net(x) * (i + 1)).sum() for i, x in enumerate(xs))
+            loss.backward()
+            out.append(loss.numpy())
+        return out + [p.grad.numpy() for p in net.parameters()]
+
+    ref = two_forwards(None)
+    got = two_forwards("budget:1")
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref))
+    counters = stats.snapshot()["policy"]["budget:1"]
+    planned_steps = STEPS - 1
+    assert counters["blocks_kept_whole"] == planned_steps  # (one per step, not two)
+    assert counters["replays"] == 2 * LAYERS * STEPS - planned_steps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_output_changed_in_place_after_the_block_recomputes_it(fresh_plans, monkeypatch, mode):
+    """The last block's output, saved by its own last op, scaled in place after the block:
+    without recompute Paddle refuses the backward; full recompute recomputes the block and
+    works -- so does a plan that kept the block whole: it recomputes it."""
+
+    def scale(out):
+        out.scale_(2.0)
+
+    with pytest.raises(Exception, match="inplace"):
+        _run(None, layer=_Squashed, after=scale)
+    stats.reset()
+    ref = _run(mode, None, layer=_Squashed, after=scale)  # (full recompute)
+    always_the_last_block(monkeypatch)
+    got = _run(mode, "budget:1", layer=_Squashed, after=scale)
+    assert_identical(got, ref)
+    counters = stats.snapshot()["policy"]["budget:1"]
+    assert counters["replays"] == LAYERS * STEPS  # (every block recomputed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_that_retains_the_graph_reads_the_kept_values_twice(
+    fresh_plans, monkeypatch, mode
+):
+    always_the_last_block(monkeypatch)
+
+    def twice(policy):
+        paddle.seed(6)
+        net = _Stack(mode if policy else None, policy)
+        x = paddle.randn([ROWS, D])
+        for _ in range(STEPS):
+            loss = net(x).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+        return [p.grad.numpy() for p in net.parameters()]
+
+    ref = twice(None)
+    got = twice("budget:1")
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref))
+    assert stats.snapshot()["policy"]["budget:1"]["blocks_kept_whole"] == STEPS - 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_graph_alive_after_its_backward_holds_nothing_of_the_block_kept_whole(
+    fresh_plans, monkeypatch, mode
+):
+    """A loop holding its last ``loss`` keeps the graph alive; the backward let go of every
+    value the block kept whole as it read it, and of what its plan kept for a recomputation."""
+    always_the_last_block(monkeypatch)
+    paddle.seed(7)
+    net = _Stack(mode, "budget:1")
+    x = paddle.randn([ROWS, D])
+    for _ in range(STEPS):
+        loss = net(x).sum()
+        last = non_reentrant._last.frame  # (None in the measured step)
+        loss.backward()
+    frame = last()
+    assert frame.whole and frame.whole_read
+    holders = [ref() for ref in frame.holders]
+    assert [h.index for h in holders if h is not None and h.value is not None] == [
+        h.index for h in holders if h is not None and h.kept and h.version is None
+    ]  # (only the parameters and arguments, kept anyway)
+    assert frame.kept is None or not any(frame.kept.entries)
+    assert frame.sublayers is None or not frame.sublayers.regions
+    del loss
+    gc.collect()
+
+
+def test_another_block_call_releases_the_block_kept_whole(fresh_plans, monkeypatch):
+    always_the_last_block(monkeypatch)
+    paddle.seed(8)
+    net = _Stack("non_reentrant", "budget:1")
+    x = paddle.randn([ROWS, D])
+    for _ in range(STEPS):
+        net(x).sum().backward()
+    loss = net(x).sum()
+    frame = non_reentrant._last.frame()
+    kept = [ref() for ref in frame.holders]
+    assert frame.whole and all(kept[i].value is not None for i in frame.whole)
+    paddle_mgrad.recompute(custom_forward(net.layers[0]), x, use_reentrant=False)
+    assert frame.whole is None and all(
+        kept[i].value is None for i in range(len(kept)) if not kept[i].kept
+    )
+    assert non_reentrant._last.frame is None  # (a full-recompute block is kept by no plan)
+    loss.backward()  # (recomputed: the last block was not the step's last)
+    assert stats.snapshot()["policy"]["budget:1"]["blocks_kept_whole"] == STEPS - 1
+
+
+# -- the plan ----------------------------------------------------------------------------
+def _planner(fraction, live, block_seconds, seconds, nbytes, head=0, step=0):
+    """A planner fed fixed figures for a kind of block with candidates ``seconds``/``nbytes``
+    (per call), ``live`` blocks alive, ``block_seconds`` its forward; a measured step that held
+    ``step`` bytes at its most and ``head`` before its first recomputation."""
+    names = tuple(seconds)
+    planner = budget.Planner("budget:test", fraction)
+    key = ("Block", names)
+    planner.kinds[key] = budget._Kind("Block", names)
+    for _ in range(budget.MEASURED_CALLS):
+        planner.measured(key, seconds, nbytes, 100, 0, block_seconds)
+    planner.head_bytes, planner.step_bytes = head, step
+    planner.forwards = live
+    planner.replayed()
+    return planner, key
+
+
+@pytest.mark.parametrize(
+    "block_seconds, head, chosen, last",
+    [
+        # 4 blocks alive, A = 100 bytes, a step's peak P = 100 (nothing outside the blocks):
+        # budget 0.5·4·100 - 100 = 100 bytes; a costs 4·20 and spares 3 s, b 4·10 and 2 s;
+        # without the last block: a, 4·3 = 12 s per step
+        (10.0, 40, ("b",), True),  # whole 100 + 40 - 100; then b fits: 10 + 3·2 = 16 s
+        (20.0, 70, (), True),  # whole 70: nothing else fits; 20 s
+        (10.0, 70, ("a",), False),  # 10 s alone < 12
+        (50.0, 110, ("a",), False),  # whole 110: over the budget
+        (2.0, 0, ("a",), False),  # whole costs nothing, but 2 + 3·3 < 12
+        (10.0, 0, ("a",), True),  # 10 + 3·3 = 19
+    ],
+)
+def test_the_last_block_is_kept_when_it_spares_the_most_within_the_budget(
+    fresh_plans, block_seconds, head, chosen, last
+):
+    """Kept whole, the last block spares its replay once per step and adds its activations
+    ``A`` to what the step held before its first recomputation (``H``), less the step's peak
+    ``P``: ``A + H - P``; what else is kept is spared in the other blocks."""
+    planner, key = _planner(
+        0.5, 4, block_seconds, {"a": 3.0, "b": 2.0}, {"a": 20, "b": 10}, head, 100
+    )
+    assert planner.choose(key) == chosen
+    assert planner.kinds[key].last is last
+    report = stats.snapshot()["plans"]["budget:test"]["Block"]
+    assert report["budget_bytes"] == 100
+    assert (report["last_block"], report["last_block_bytes"]) == (last, head)
+    assert report["block_seconds"] == block_seconds
+
+
+def test_a_measured_call_times_the_block():
+    """A measuring call reports its forward's time with what it saved."""
+    planner = budget.Planner("budget:timed", 1.0)
+    paddle.seed(9)
+    net = Decoder()
+    x = paddle.randn([ROWS, D])
+    x.stop_gradient = False
+    pol = policy_mod.Policy("budget:timed", gemm=False, planner=planner)
+    non_reentrant.run(custom_forward(net), True, (x,), {}, policy=pol)
+    (kind,) = planner.kinds.values()
+    assert kind.calls == 1 and 0 < kind.block_seconds < 10
+    assert kind.block_seconds >= sum(s for s in kind.seconds.values() if s)
+
+
+def test_what_a_step_holds_before_its_first_recomputation_is_read_once_per_step():
+    planner = budget.Planner("budget:head", 1.0)
+    now, peak = [0], [0]
+    planner.memory = memory.Allocated(lambda: now[0], lambda: peak[0])
+    planner._step = (100, 500)  # (allocated, peak) at the step's first block call
+    planner.forwards = 3
+    peak[0], now[0] = 800, 400  # the loss head raised the peak
+    planner.replay_starts()
+    assert planner.head_bytes == 700
+    planner.replayed()
+    peak[0] = 2000  # the first recomputation raised it more: not the head's
+    planner.replay_starts()
+    assert planner.head_bytes == 700
+    planner.replayed()
+    planner._step = (100, 2000)  # the next measured step
+    planner.forwards = 3  # its head did not raise the peak: what it holds now counts
+    now[0] = 900
+    planner.replay_starts()
+    assert planner.head_bytes == 800
