@@ -66,6 +66,22 @@ elementwise ops weigh more), so it is measured, not assumed:
   replay the same collectives); the plan is in ``paddle_mgrad.stats.plans`` (per policy, per
   kind: chosen, measured seconds and bytes).
 
+* **The step's last block** (``stats.plans``: ``last_block``): its backward comes right after
+  the loss head's, so its recomputation would be made only to be read at once
+  (``torch.utils.checkpoint.checkpoint_sequential`` runs its last segment without checkpoint for
+  that reason).  A plan may keep it whole: every block call of the kind keeps what it saved
+  until its thread starts another block call, and the step's last one is read by its backward,
+  not recomputed (:meth:`.non_reentrant._Frame.keep_whole`).  It spares one block's replay per
+  step (``1/L`` of the replay time: a quarter with 4 layers, 3 % with 32) for its activations
+  held through the loss head: ``A + H - P`` over the step's peak, where ``H`` is the most a
+  measured step held before its first recomputation (its forward, the loss head's forward and
+  backward: :meth:`Planner.replay_starts`) and ``P`` the most it held -- nothing where the
+  replays' peak is the higher, ``A`` where the loss head's is (a large vocabulary).  The plan
+  takes it where it spares more than the candidates it displaces: the best plan without it
+  against the block's measured forward time plus the best plan within what is left, spared in
+  the other ``L - 1`` blocks (:meth:`Planner._choose`); its cost adds to the others' (the two
+  peaks lie at different times: the count errs high).
+
 ``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
 to what no recompute keeps.
 """

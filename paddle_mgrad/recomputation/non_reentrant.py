@@ -47,6 +47,17 @@ saved tensor twice), it is recomputed: the next recomputation runs its sublayer
 (:meth:`_Frame.wants`) and stores it.  A block that changed an argument in place is never
 recomputed: there nothing is let go of.
 
+**A block kept whole** (a ``budget:`` plan that keeps the step's last block,
+:meth:`_Frame.keep_whole`): when its forward returns, every saved tensor is kept as a kept
+sublayer's is, and the frame becomes its thread's last block.  The next block call of the
+thread lets go of it (:func:`release_last`): it will be recomputed.  So does a recomputation
+that starts before the block's backward began to read it (a pipeline's backward of an earlier
+micro-batch): the step's last block is back-propagated first, so it is not the step's last
+one.  What is left kept is the step's last block: its backward reads the forward's values,
+nothing is recomputed, and its first read lets go of what the plan kept for a recomputation.
+A saved tensor of it changed in place since (an op after the block on an output the block
+saved) makes it recomputed as under full recompute, where no recompute would refuse.
+
 The forward records each saved tensor's shape and dtype; recomputation checks
 them, and a different count, shape or dtype raises :class:`RecomputeError`
 naming the tensor, where Paddle silently computes wrong gradients.  With
@@ -96,15 +107,19 @@ from .tensors import (
 _last = thread_state("LastBlock", frame=None)
 
 
-def _release_last():
+def release_last(unread=False):
     """A block call starts: the block this thread kept whole is no longer its last one and will
-    be recomputed after all (:meth:`_Frame.keep_whole`)."""
+    be recomputed after all (:meth:`_Frame.keep_whole`).  ``unread``: a recomputation starts;
+    the block kept whole is let go of unless its backward began (the step's last block is
+    back-propagated before any other, so a recomputation before it means that it is not: a
+    pipeline's backward of an earlier micro-batch, a loss that reads an earlier block)."""
     ref = _last.frame
     if ref is not None:
-        _last.frame = None
         frame = ref()
-        if frame is not None:
-            frame.release_whole()
+        if frame is None or not (unread and frame.whole_read):
+            _last.frame = None
+            if frame is not None:
+                frame.release_whole()
 
 
 class _Holder:
@@ -233,7 +248,7 @@ class _Frame:
         """The forward returned, and the plan keeps the block whole while it is its thread's
         last block: every tensor it saved is kept (``pending``: ``[(index, tensor)]``), as a
         kept sublayer's are, and the block stops being the last one when the thread starts
-        another block call (:func:`_release_last`).  The step's last block keeps its values
+        another block call (:func:`release_last`).  The step's last block keeps its values
         through the loss head to its own backward, which reads them: it is not recomputed
         (its recomputation would start right away, made for nothing but to be read)."""
         whole = []
@@ -245,7 +260,7 @@ class _Frame:
                 holder.value = detached_view(x)
                 whole.append(index)
         self.whole = frozenset(whole)
-        _release_last()
+        release_last()
         _last.frame = weakref.ref(self)
 
     def release_whole(self):
@@ -396,6 +411,7 @@ class _Frame:
     def rerun(self):
         """Re-run the function; store a view of each recomputed tensor for its holder."""
         stats.bump(stats.recompute, "recomputations")
+        release_last(unread=True)
         self._check_arguments_unchanged()
         self.cursor = 0
         problems: list = []
@@ -515,7 +531,7 @@ def run(function, preserve_rng_state, args, kwargs, check="shapes", policy=None)
     nothing.  ``policy``: a :class:`.policy.Policy`, or None for full recompute."""
     _hooks.install_save_shim()
     _errors.install()
-    _release_last()
+    release_last()
     with _rng.exclusive(preserve_rng_state):  # capture .. end of forward: see rng.py
         frame = _Frame(function, args, kwargs, preserve_rng_state, check, policy)
         # The frame holds the forward's saved tensors until the forward returns or raises, and

@@ -20,7 +20,8 @@ recompute (and to no recompute); only memory and time change.
 * ``"budget:<fraction>"``: automatic.  Keep the sublayers and the GEMM outputs that spare the
   most replay time, measured on this machine in the block's first calls, so that the
   blocks alive at once (a step's decoder layers) hold ``fraction`` times the bytes they hold
-  without recompute (:mod:`.budget`).
+  without recompute (:mod:`.budget`); a plan may keep the step's last block whole (its
+  backward reads the forward's values: it is not recomputed).
 * a callable ``policy(call) -> bool``: asked once per fused linear in the block's forward with
   a :class:`GemmCall`; True keeps that output (``lambda c: c.flops > 1e9``).
 

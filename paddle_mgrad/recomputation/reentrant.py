@@ -311,6 +311,7 @@ class _ReentrantRecompute(autograd_passes.GuardedPyLayer):
         run_args = [_decode(e, detached) for e in ctx.layout]
 
         stats.bump(stats.recompute, "recomputations")
+        _non_reentrant.release_last(unread=True)
         t = tracer()
         has_grad = t._has_grad
         t._has_grad = True
@@ -428,6 +429,7 @@ def _prepare(function, args, kwargs, what):
 def run(function, preserve_rng_state, stash, layout, tensors, call_kwargs, anchor, check="shapes"):
     """Apply the PyLayer (shared with :mod:`.hybrid`)."""
     _errors.install()  # RecomputeError from backward keeps its type
+    _non_reentrant.release_last()  # (a block call: the block kept whole is not the last one)
     outputs = _ReentrantRecompute.apply(
         function,
         preserve_rng_state,
