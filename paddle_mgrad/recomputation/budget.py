@@ -77,7 +77,8 @@ elementwise ops weigh more), so it is measured, not assumed:
   measured step held before its first recomputation (its forward, the loss head's forward and
   backward: :meth:`Planner.replay_starts`) and ``P`` the most it held -- nothing where the
   replays' peak is the higher, ``A`` where the loss head's is (a large vocabulary).  The plan
-  takes it where it spares more than the candidates it displaces: the best plan without it
+  takes it for a kind whose call was the last of a measured step (a decoder layer followed by a
+  recomputed loss block never is) where it spares more than the candidates it displaces: the best plan without it
   against the block's measured forward time plus the best plan within what is left, spared in
   the other ``L - 1`` blocks (:meth:`Planner._choose`); its cost adds to the others' (the two
   peaks lie at different times: the count errs high).
@@ -156,6 +157,7 @@ class _Kind:
         "block_seconds",
         "chosen",
         "last",
+        "ends_step",
     )
 
     def __init__(self, label, names, params=()):
@@ -170,6 +172,7 @@ class _Kind:
         self.block_seconds = None  # the block's forward: min over calls (None: not timed)
         self.chosen = None  # tuple of names once planned
         self.last = False  # whether the plan keeps the step's last block whole
+        self.ends_step = False  # a call of it was a measured step's last block call
 
 
 class BlockSaved(NamedTuple):
@@ -230,6 +233,7 @@ class Planner:
         self._step = None  # (allocated, peak) at the measured step's first block call
         self.step_bytes = 0  # the most a measured step held above that
         self.head_bytes = 0  # the most it held above that before its first recomputation
+        self.last_key = None  # the kind of the last block call (None: no Layer found)
         # root Layer -> what its plan keeps: (sublayers, weight ids)
         self._planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -241,12 +245,14 @@ class Planner:
         if not roots:
             with self.lock:
                 self.forwards += 1  # (alive until its backward all the same)
+                self.last_key = None
             return Plan()
         root = roots[0]
         key = _kind(root)
         with self.lock:
             first = not self.forwards  # (the first call since a replay: a step's first)
             self.forwards += 1
+            self.last_key = key
             if key not in self.kinds:
                 same = sum(k[0] == key[0] for k in self.kinds)
                 label = key[0] if not same else f"{key[0]}#{same + 1}"
@@ -328,8 +334,13 @@ class Planner:
         """A block of this policy is about to be recomputed.  The first recomputation of a
         measured step: what the step held so far (the allocator's peak where the step raised
         it, else what it holds now) -- its forward and the loss head's forward and backward,
-        where the step's last block, kept whole, would hold its activations too."""
+        where the step's last block, kept whole, would hold its activations too.  The first
+        recomputation of any step: the kind of the block called last ends a step (only such a
+        kind's last block can be kept whole to some purpose; a decoder layer followed by a
+        recomputed loss block never is the last)."""
         with self.lock:
+            if self.forwards and self.last_key in self.kinds:
+                self.kinds[self.last_key].ends_step = True
             if self.forwards and self._step is not None:
                 before, peak_before = self._step
                 peak = self.memory.peak()
@@ -413,7 +424,7 @@ class Planner:
         chosen = _spare_most(budget, seconds, nbytes, owner)
         last, live = False, max(self.live, 1)
         whole = self.last_block_bytes(kind)
-        if kind.block_seconds and whole <= budget:
+        if kind.block_seconds and kind.ends_step and whole <= budget:
             # the last block not replayed spares its replay once per step; what else is kept
             # is spared in the other n - 1 blocks (per step: n times a block's figures)
             others = _spare_most(budget - whole, seconds, nbytes, owner)

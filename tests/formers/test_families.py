@@ -289,7 +289,8 @@ def _check_budget(family, r, calls, blocks):
     budget, the planned calls skipping what was chosen: its sublayers and its linears' GEMMs
     (one linear per chosen weight here)."""
     s, plans = r["policy"].get(BUDGET, {}), r["plans"].get(BUDGET, {})
-    if not (s.get("calls") == calls and s.get("replays") == blocks):
+    kept_whole = s.get("blocks_kept_whole", 0)  # (not recomputed: a step's last block)
+    if not (s.get("calls") == calls and s.get("replays") == blocks - kept_whole):
         return [f"budget policy counters {r['policy']} (expected {calls} calls)"]
     if FAMILIES[family][4] is None:  # (no decoder layer recomputed: nothing planned)
         extra = set(plans) - {LOSS_BLOCK}
@@ -297,11 +298,15 @@ def _check_budget(family, r, calls, blocks):
     decoder = [label for label in plans if label != LOSS_BLOCK]
     if len(decoder) not in (1, LAYERS):
         return [f"neither one plan nor one per decoder layer: {sorted(plans)}"]
-    problems, sublayers, gemms = [], 0, 0
+    problems, sublayers, gemms, whole = [], 0, 0, 0
     for label, plan in plans.items():
         chosen = plan["chosen"]
         taken = sum(plan["measured"][n]["bytes"] for n in chosen)
-        if not ((chosen or label == LOSS_BLOCK) and taken <= plan["budget_bytes"]):
+        if plan["last_block"]:
+            taken += plan["last_block_bytes"]
+        if not (
+            (chosen or plan["last_block"] or label == LOSS_BLOCK) and taken <= plan["budget_bytes"]
+        ):
             problems.append(f"plan {label} {plan} (nothing chosen, or over the budget)")
         # the calls of its kind: the loss block's one per micro-step, each decoder kind's its
         # layers' (one per layer and micro-step), less those measured: the first micro-step's
@@ -311,11 +316,25 @@ def _check_budget(family, r, calls, blocks):
         if plan.get("measured_calls") != measured:
             problems.append(f"plan {label} {plan} (expected {measured} measured calls)")
         planned = calls - measured
+        # kept whole: a kind that ends each micro-step (the loss block where it is recomputed,
+        # else the decoder layers: a micro-step's last one), each planned micro-step
+        ends = label == LOSS_BLOCK or LOSS_BLOCK not in plans
+        kept = planned // (calls // MICRO) if plan["last_block"] and ends else 0
+        if plan["last_block"] and not ends:
+            problems.append(f"plan {label} {plan} keeps a block whole that never ends a step")
+        whole += kept
         n_gemms = sum(n.startswith("gemm:") for n in chosen)
-        sublayers += planned * (len(chosen) - n_gemms)
-        gemms += planned * n_gemms
-    if (s.get("sublayers_not_recomputed"), s.get("gemms_not_recomputed")) != (sublayers, gemms):
-        problems.append(f"budget counters {s} (expected {sublayers} sublayers, {gemms} GEMMs)")
+        sublayers += (planned - kept) * (len(chosen) - n_gemms)
+        gemms += (planned - kept) * n_gemms
+    if (s.get("sublayers_not_recomputed"), s.get("gemms_not_recomputed"), kept_whole) != (
+        sublayers,
+        gemms,
+        whole,
+    ):
+        problems.append(
+            f"budget counters {s} (expected {sublayers} sublayers, {gemms} GEMMs, {whole} "
+            "blocks kept whole)"
+        )
     return problems
 
 

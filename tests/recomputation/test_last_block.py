@@ -272,9 +272,10 @@ def _planner(fraction, live, block_seconds, seconds, nbytes, head=0, step=0):
     planner.kinds[key] = budget._Kind("Block", names)
     for _ in range(budget.MEASURED_CALLS):
         planner.measured(key, seconds, nbytes, 100, 0, block_seconds)
-    planner.head_bytes, planner.step_bytes = head, step
-    planner.forwards = live
+    planner.forwards, planner.last_key = live, key  # (its call ended the step)
+    planner.replay_starts()
     planner.replayed()
+    planner.head_bytes, planner.step_bytes = head, step
     return planner, key
 
 
@@ -307,6 +308,15 @@ def test_the_last_block_is_kept_when_it_spares_the_most_within_the_budget(
     assert report["budget_bytes"] == 100
     assert (report["last_block"], report["last_block_bytes"]) == (last, head)
     assert report["block_seconds"] == block_seconds
+
+
+def test_a_kind_whose_call_never_ended_a_step_is_not_kept_whole(fresh_plans):
+    """A decoder layer followed by a recomputed loss block: its calls are let go of by the loss
+    block's; keeping them whole would spare nothing."""
+    planner, key = _planner(0.5, 4, 50.0, {"a": 3.0, "b": 2.0}, {"a": 20, "b": 10}, 0, 100)
+    assert planner.kinds[key].ends_step
+    planner.kinds[key].ends_step = False
+    assert (planner.choose(key), planner.kinds[key].last) == (("a",), False)
 
 
 def test_a_measured_call_times_the_block():
