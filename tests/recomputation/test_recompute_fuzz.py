@@ -190,6 +190,8 @@ def test_recompute_equals_no_recompute():
     # budget:1's plans (one block alive at a time here: recompute_fuzz.run_case) keep linear
     # outputs too, not only sublayers
     assert spared["budget:1"]["gemms_not_recomputed"] > 0, spared
+    # budget:0.5's plans keep a step's last block whole (every example's last block call)
+    assert spared["budget:0.5"]["blocks_kept_whole"] > 0, spared
     for mode in ("reentrant", "non_reentrant", *("policy " + p for p in POLICIES)):
         total = sum(n for (m, _), n in outcomes.items() if m == mode)
         drawn = 2 if mode in ("reentrant", "non_reentrant") else len(POLICIES)
