@@ -123,6 +123,10 @@ class Plan(NamedTuple):
     whole: bool = False
 
 
+#: the plan of a block that keeps nothing (full recompute, or no Layer found)
+NOTHING = Plan()
+
+
 # root Layer -> its kind's key; a model's structure is fixed once built
 _keys: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -246,7 +250,7 @@ class Planner:
             with self.lock:
                 self.forwards += 1  # (alive until its backward all the same)
                 self.last_key = None
-            return Plan()
+            return NOTHING
         root = roots[0]
         key = _kind(root)
         with self.lock:
@@ -264,7 +268,7 @@ class Planner:
             children = dict(root.named_children())
             weights = {id(p): GEMM + name for name, p in root.named_parameters()}
             if not children and not weights:
-                return Plan()
+                return NOTHING
             names = {id(layer): name for name, layer in children.items()}
             measurement = _Measurement(self, key, names, weights)
             return Plan(
@@ -342,26 +346,28 @@ class Planner:
             if self.forwards and self.last_key in self.kinds:
                 self.kinds[self.last_key].ends_step = True
             if self.forwards and self._step is not None:
-                before, peak_before = self._step
-                peak = self.memory.peak()
-                held = peak if peak > peak_before else self.memory.now()
-                self.head_bytes = max(self.head_bytes, held - before)
+                self.head_bytes = max(self.head_bytes, self._step_held())
+
+    def _step_held(self) -> int:
+        """In a measured step (under the lock): the most it held so far above what was
+        allocated at its first block call -- the allocator's peak where the step raised it,
+        else what it holds now (a lower bound: an earlier peak, not reset since, hides the
+        step's)."""
+        before, peak_before = self._step
+        peak = self.memory.peak()
+        return (peak if peak > peak_before else self.memory.now()) - before
 
     def replayed(self):
         """A block of this policy was recomputed (in backward): the block calls since the last
         recomputation were alive at once -- every one holds its arguments and what its plan
-        keeps until its own backward.  In a measured step, the most the step held so far:
-        the allocator's peak where the step raised it, else what it holds now (a lower
-        bound: an earlier peak, not reset since, hides the step's)."""
+        keeps until its own backward.  In a measured step, the most the step held so far
+        (:meth:`_step_held`)."""
         with self.lock:
             if self.forwards:
                 self.live = self.live_blocks or max(self.live, self.forwards)
                 self.forwards = 0
             if self._step is not None:
-                before, peak_before = self._step
-                peak = self.memory.peak()
-                held = peak if peak > peak_before else self.memory.now()
-                self.step_bytes = max(self.step_bytes, held - before)
+                self.step_bytes = max(self.step_bytes, self._step_held())
 
     def choose(self, key):
         """The plan of the kind ``key`` (the names it keeps), made now if it is due: measured
@@ -426,7 +432,7 @@ class Planner:
         whole = self.last_block_bytes(kind)
         if kind.block_seconds and kind.ends_step and whole <= budget:
             # the last block not replayed spares its replay once per step; what else is kept
-            # is spared in the other n - 1 blocks (per step: n times a block's figures)
+            # is spared in the other live - 1 blocks (per step: live times a block's figures)
             others = _spare_most(budget - whole, seconds, nbytes, owner)
             spared = live * sum(seconds[c] for c in chosen)
             spared_last = kind.block_seconds + (live - 1) * sum(seconds[c] for c in others)

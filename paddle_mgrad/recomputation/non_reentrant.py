@@ -87,7 +87,7 @@ from . import (
     saved_hooks as _hooks,
     saved_sublayers as _saved_sublayers,
 )
-from .budget import BlockSaved
+from .budget import NOTHING, BlockSaved
 from .tensors import (
     FINGERPRINT_FIELDS,
     buffer_sharing_tensor,
@@ -150,11 +150,9 @@ class _Frame:
         self.function = function
         # what the block's policy keeps from its forward (:mod:`.policy`); None: full
         self.policy = policy
-        if policy is None:
-            self.kept = self.sublayers = None
-            self.keeps_whole = False
-        else:
-            self.kept, self.sublayers, self.keeps_whole = policy.plan(function, args, kwargs)
+        self.kept, self.sublayers, self.keeps_whole = (
+            NOTHING if policy is None else policy.plan(function, args, kwargs)
+        )
         #: the indices of the saved tensors kept because the block was kept whole (None: not)
         self.whole = None
         self.whole_read = False  # backward read a tensor kept because of it
@@ -288,10 +286,7 @@ class _Frame:
             self.whole_read = True
             stats.bump_policy(self.policy.name, blocks_kept_whole=1)
             if _errors.frees_graph():
-                if self.kept is not None:
-                    self.kept.entries.clear()
-                if self.sublayers is not None:
-                    self.sublayers.drop()
+                _policy.let_go(self.kept, self.sublayers)
 
     def wants(self, start: int, end: int) -> bool:
         """Whether backward wants one of saved tensors #``start`` to #``end`` (a kept

@@ -168,10 +168,7 @@ def forward_done(
     if sublayers is not None and sublayers.measure is not None:
         sublayers.measure.done(sublayers, kept, block)
     if not recomputed:
-        if kept is not None:
-            kept.entries.clear()
-        if sublayers is not None:
-            sublayers.drop()
+        let_go(kept, sublayers)
     kept_outputs = kept_bytes = kept_sublayers = 0
     if kept is not None:
         kept.forward_done()
@@ -186,6 +183,15 @@ def forward_done(
         kept_bytes=kept_bytes,
         sublayers_kept=kept_sublayers,
     )
+
+
+def let_go(kept: Optional[KeptOutputs], sublayers):
+    """The block will not be recomputed (it changed an argument in place, or backward read it
+    kept whole): hold none of what the policy kept for a recomputation."""
+    if kept is not None:
+        kept.entries.clear()
+    if sublayers is not None:
+        sublayers.drop()
 
 
 def rewind(policy: Policy, kept: Optional[KeptOutputs], sublayers, release: bool):

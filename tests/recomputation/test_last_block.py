@@ -85,26 +85,30 @@ def test_a_steps_last_block_is_not_recomputed(fresh_plans, monkeypatch, mode, fr
     assert counters["replays"] == LAYERS * STEPS - planned_steps
 
 
+def _two_micro_batches(mode, policy, pipelined):
+    """``STEPS`` steps of two forwards (micro-batches) each, then either one backward of both
+    losses summed or, as a pipeline runs them, the first one's backward and then the second's;
+    the losses and the parameters' gradients."""
+    paddle.seed(5)
+    net = _Stack(mode if policy else None, policy)
+    xs = [paddle.randn([ROWS, D]) for _ in range(2)]
+    out = []
+    for _ in range(STEPS):
+        losses = [(net(x) * (i + 1)).sum() for i, x in enumerate(xs)]
+        for loss in losses if pipelined else [sum(losses)]:
+            loss.backward()
+            out.append(loss.numpy())
+    return out + [p.grad.numpy() for p in net.parameters()]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_block_followed_by_another_forward_is_recomputed(fresh_plans, monkeypatch, mode):
     """Two forwards, then one backward of both losses (two micro-batches summed): the first
     forward's last block stopped being the last when the second forward started -- it is
     recomputed; the second forward's last block is not."""
     always_the_last_block(monkeypatch)
-
-    def two_forwards(policy):
-        paddle.seed(5)
-        net = _Stack(mode if policy else None, policy)
-        xs = [paddle.randn([ROWS, D]) for _ in range(2)]
-        out = []
-        for _ in range(STEPS):
-            loss = sum((net(x) * (i + 1)).sum() for i, x in enumerate(xs))
-            loss.backward()
-            out.append(loss.numpy())
-        return out + [p.grad.numpy() for p in net.parameters()]
-
-    ref = two_forwards(None)
-    got = two_forwards("budget:1")
+    ref = _two_micro_batches(mode, None, pipelined=False)
+    got = _two_micro_batches(mode, "budget:1", pipelined=False)
     assert all(np.array_equal(a, b) for a, b in zip(got, ref))
     counters = stats.snapshot()["policy"]["budget:1"]
     planned_steps = STEPS - 1
@@ -119,21 +123,8 @@ def test_a_recomputation_before_the_last_blocks_backward_lets_it_go(fresh_plans,
     when the first backward's recomputations start (held through them, it would add its bytes
     to their peak, which the plan did not count), and recomputed in its own backward."""
     always_the_last_block(monkeypatch)
-
-    def pipelined(policy):
-        paddle.seed(5)
-        net = _Stack(mode if policy else None, policy)
-        xs = [paddle.randn([ROWS, D]) for _ in range(2)]
-        out = []
-        for _ in range(STEPS):
-            losses = [(net(x) * (i + 1)).sum() for i, x in enumerate(xs)]
-            for loss in losses:
-                loss.backward()
-                out.append(loss.numpy())
-        return out + [p.grad.numpy() for p in net.parameters()]
-
-    ref = pipelined(None)
-    got = pipelined("budget:1")
+    ref = _two_micro_batches(mode, None, pipelined=True)
+    got = _two_micro_batches(mode, "budget:1", pipelined=True)
     assert all(np.array_equal(a, b) for a, b in zip(got, ref))
     counters = stats.snapshot()["policy"]["budget:1"]
     assert counters["blocks_kept_whole"] == 0
