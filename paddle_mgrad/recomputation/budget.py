@@ -17,7 +17,8 @@ elementwise ops weigh more), so it is measured, not assumed:
   (DeepSeek's first layers and the others) are two kinds (``stats.plans``: the class name, then
   ``#2``, ``#3``, ... for further kinds of one class).
 * **Measuring**: the first :data:`MEASURED_CALLS` calls of a kind, and any before the first
-  backward, run as full recompute (so bit-identical like every policy) while each candidate's
+  backward, run as full recompute (so bit-identical like every policy; each kept whole while it
+  is its thread's last block call: the step's last block, below) while each candidate's
   forward is timed (host clock; on an accelerator synchronised around each candidate, in these
   calls only) and the bytes it costs to keep are counted: for a sublayer, the activations its
   ops save (the pack hook sees them; parameters and the block's arguments are kept anyway and
@@ -73,15 +74,21 @@ elementwise ops weigh more), so it is measured, not assumed:
   until its thread starts another block call, and the step's last one is read by its backward,
   not recomputed (:meth:`.non_reentrant._Frame.keep_whole`).  It spares one block's replay per
   step (``1/L`` of the replay time: a quarter with 4 layers, 3 % with 32) for its activations
-  held through the loss head: ``A + H - P`` over the step's peak, where ``H`` is the most a
-  measured step held before its first recomputation (its forward, the loss head's forward and
-  backward: :meth:`Planner.replay_starts`) and ``P`` the most it held -- nothing where the
-  replays' peak is the higher, ``A`` where the loss head's is (a large vocabulary).  The plan
-  takes it for a kind whose call was the last of a measured step (a decoder layer followed by a
-  recomputed loss block never is) where it spares more than the candidates it displaces: the best plan without it
-  against the block's measured forward time plus the best plan within what is left, spared in
-  the other ``L - 1`` blocks (:meth:`Planner._choose`); its cost adds to the others' (the two
-  peaks lie at different times: the count errs high).
+  ``A`` held through the loss head's forward and backward.  What that adds to the step's peak
+  is measured: the measuring calls keep their blocks whole too, so a measured step runs its
+  loss head with its last block held, and the planner reads how far the head raised the
+  allocator's peak above the forward's (:meth:`Planner.replay_starts`) -- nothing where the
+  forward's peak (a block's activations made, the others' inputs held) stays the higher, up to
+  ``A`` where the head's is (a large vocabulary's logits and their gradient).  Where no measured
+  step raised the allocator's peak (an earlier one, not reset since, hides the head's) it
+  counts ``A``.  The plan takes it for a kind whose call was the last of a measured step (a
+  decoder layer followed by a recomputed loss block never is) where it spares more than the
+  candidates it displaces: the best plan without it against the block's measured forward time
+  plus the best plan within what is left, spared in the other ``L - 1`` blocks
+  (:meth:`Planner._choose`); its cost adds to the others' (the two peaks lie at different
+  times: the count errs high).  A measured step so holds up to one block's activations more
+  than full recompute while its loss head runs, and counts them in ``O`` (up to ``A`` too high
+  where the head holds the step's peak: the budget errs toward memory).
 
 ``budget:0`` keeps only what costs nothing (full recompute otherwise); ``budget:1`` may keep up
 to what no recompute keeps.
@@ -236,7 +243,10 @@ class Planner:
         self.memory = _UNSET
         self._step = None  # (allocated, peak) at the measured step's first block call
         self.step_bytes = 0  # the most a measured step held above that
-        self.head_bytes = 0  # the most it held above that before its first recomputation
+        self.forward_bytes = 0  # the most the measured step held at a block call's return
+        # the most the loss head, run with the step's last block kept whole, raised a measured
+        # step's peak above its forward's (None: no step read it, its peak hidden)
+        self.head_raise = None
         self.last_key = None  # the kind of the last block call (None: no Layer found)
         # root Layer -> what its plan keeps: (sublayers, weight ids)
         self._planned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -274,6 +284,7 @@ class Planner:
             return Plan(
                 KeptOutputs(_never, timings={}),
                 Sublayers(tuple(children.values()), measurement),
+                whole=True,  # (what that costs is measured so: :meth:`replay_starts`)
             )
         layers, ids = self._planned_parts(root, chosen)
         kept = KeptOutputs(functools.partial(_chosen_weight, ids)) if ids else None
@@ -333,12 +344,22 @@ class Planner:
                 self.memory = None if t is None else allocated_on(t)
             memory = self.memory
             self._step = (memory.now(), memory.peak()) if measured and memory else None
+            self.forward_bytes = 0
+
+    def forward_returned(self):
+        """A block call of this policy returned from its forward: in a measured step, the
+        most the step held so far (its forward's peak, each block's activations held in it)."""
+        with self.lock:
+            if self._step is not None:
+                self.forward_bytes = max(self.forward_bytes, self._step_held())
 
     def replay_starts(self):
         """A block of this policy is about to be recomputed.  The first recomputation of a
-        measured step: what the step held so far (the allocator's peak where the step raised
-        it, else what it holds now) -- its forward and the loss head's forward and backward,
-        where the step's last block, kept whole, would hold its activations too.  The first
+        measured step: how far the loss head's forward and backward raised the step's peak
+        above its forward's, run with the step's last block kept whole (a measuring call keeps
+        it, :meth:`plan`) -- what keeping it costs (:meth:`last_block_bytes`).  Read where the
+        step raised the allocator's peak, which is then the step's own; below an earlier peak
+        (not reset since) the head's is hidden, and the step tells nothing.  The first
         recomputation of any step: the kind of the block called last ends a step (only such a
         kind's last block can be kept whole to some purpose; a decoder layer followed by a
         recomputed loss block never is the last)."""
@@ -346,7 +367,13 @@ class Planner:
             if self.forwards and self.last_key in self.kinds:
                 self.kinds[self.last_key].ends_step = True
             if self.forwards and self._step is not None:
-                self.head_bytes = max(self.head_bytes, self._step_held())
+                before, peak_before = self._step
+                peak = self.memory.peak()
+                if peak > peak_before:
+                    # (forward_bytes, read below an earlier peak, is what the step held then:
+                    # lower than its forward's peak, so the raise is counted high, never low)
+                    raised = max(0, peak - before - self.forward_bytes)
+                    self.head_raise = max(self.head_raise or 0, raised)
 
     def _step_held(self) -> int:
         """In a measured step (under the lock): the most it held so far above what was
@@ -415,11 +442,11 @@ class Planner:
 
     def last_block_bytes(self, kind) -> float:
         """What keeping a step's last block whole adds to the step's peak (module docstring):
-        its activations, held from its forward to its backward, which the loss head's
-        forward and backward run between, ``A + H - P``, with ``H`` the most a measured step
-        held before its first recomputation and ``P`` the most it held (never below 0)."""
+        its activations ``A``, held from its forward through the loss head's forward and
+        backward to its own backward -- no more than the head, run so in a measured step,
+        raised the step's peak above its forward's; ``A`` where no step read it."""
         a = kind.block_bytes / kind.calls
-        return max(0.0, a + self.head_bytes - self.step_bytes)
+        return a if self.head_raise is None else min(a, self.head_raise)
 
     def _choose(self, kind):
         """``(names, last)``: the candidates kept, and whether the step's last block is kept

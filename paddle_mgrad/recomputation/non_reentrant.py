@@ -284,9 +284,7 @@ class _Frame:
             return
         if not self.whole_read:
             self.whole_read = True
-            stats.bump_policy(self.policy.name, blocks_kept_whole=1)
-            if _errors.frees_graph():
-                _policy.let_go(self.kept, self.sublayers)
+            _policy.record_whole(self.policy, self.kept, self.sublayers, _errors.frees_graph())
 
     def wants(self, start: int, end: int) -> bool:
         """Whether backward wants one of saved tensors #``start`` to #``end`` (a kept

@@ -165,6 +165,8 @@ def forward_done(
     when the block will not be ``recomputed``), count the call; a ``budget:`` policy's
     measuring call reports what it measured and what the ``block`` saved.  ``saved_bytes``:
     what the kept sublayers keep (their saved activations and outputs)."""
+    if policy.planner is not None:
+        policy.planner.forward_returned()
     if sublayers is not None and sublayers.measure is not None:
         sublayers.measure.done(sublayers, kept, block)
     if not recomputed:
@@ -205,6 +207,20 @@ def rewind(policy: Policy, kept: Optional[KeptOutputs], sublayers, release: bool
         kept.rewind(release)
     if sublayers is not None:
         sublayers.rewind(release)
+
+
+def record_whole(policy: Policy, kept: Optional[KeptOutputs], sublayers, release: bool):
+    """Count one block kept whole that backward reads (not recomputed); to a ``budget:``
+    planner its backward begins as a recomputation's would (:meth:`.budget.Planner.replay_starts`,
+    :meth:`.budget.Planner.replayed`).  ``release``: a backward that frees the graph; what the
+    policy kept for a recomputation is let go of (one comes only if an in-place change after
+    the block wants it recomputed, and computes them)."""
+    if policy.planner is not None:
+        policy.planner.replay_starts()
+        policy.planner.replayed()
+    if release:
+        let_go(kept, sublayers)
+    stats.bump_policy(policy.name, blocks_kept_whole=1)
 
 
 def record_replay(policy: Policy, kept: Optional[KeptOutputs], sublayers):

@@ -8,6 +8,7 @@ gradient stays bit-identical to no recompute; a block that turns out not to be t
 whose saved output an op after it changed in place, is recomputed as under full recompute."""
 
 import gc
+import json
 
 import numpy as np
 import paddle
@@ -16,6 +17,7 @@ from decoder import ROWS, D, Decoder, custom_forward
 from policy_runs import always_the_last_block, assert_identical, train
 
 import paddle_mgrad
+from helpers import run_probe_script
 from paddle_mgrad import stats
 from paddle_mgrad.recomputation import budget, memory, non_reentrant, policy as policy_mod
 
@@ -70,8 +72,8 @@ def _run(mode, policy=None, steps=STEPS, layer=Decoder, after=None):
 @pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_steps_last_block_is_not_recomputed(fresh_plans, monkeypatch, mode, fraction):
-    """Bit-identical to no recompute; from the first planned step on, each step replays all
-    blocks but its last."""
+    """Bit-identical to no recompute; each step replays all blocks but its last (the measured
+    step too: it keeps its last block whole to measure what that costs)."""
     always_the_last_block(monkeypatch)
     ref = _run(None)
     got = _run(mode, f"budget:{fraction}")
@@ -79,10 +81,9 @@ def test_a_steps_last_block_is_not_recomputed(fresh_plans, monkeypatch, mode, fr
     name = f"budget:{float(fraction):g}"
     counters = stats.snapshot()["policy"][name]
     assert stats.snapshot()["plans"][name]["Decoder"]["last_block"] is True
-    planned_steps = STEPS - 1
     assert counters["calls"] == LAYERS * STEPS
-    assert counters["blocks_kept_whole"] == planned_steps
-    assert counters["replays"] == LAYERS * STEPS - planned_steps
+    assert counters["blocks_kept_whole"] == STEPS
+    assert counters["replays"] == LAYERS * STEPS - STEPS
 
 
 def _two_micro_batches(mode, policy, pipelined):
@@ -111,9 +112,8 @@ def test_a_block_followed_by_another_forward_is_recomputed(fresh_plans, monkeypa
     got = _two_micro_batches(mode, "budget:1", pipelined=False)
     assert all(np.array_equal(a, b) for a, b in zip(got, ref))
     counters = stats.snapshot()["policy"]["budget:1"]
-    planned_steps = STEPS - 1
-    assert counters["blocks_kept_whole"] == planned_steps  # (one per step, not two)
-    assert counters["replays"] == 2 * LAYERS * STEPS - planned_steps
+    assert counters["blocks_kept_whole"] == STEPS  # (one per step, not two)
+    assert counters["replays"] == 2 * LAYERS * STEPS - STEPS
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -190,7 +190,7 @@ def test_a_backward_that_retains_the_graph_reads_the_kept_values_twice(
     ref = twice(None)
     got = twice("budget:1")
     assert all(np.array_equal(a, b) for a, b in zip(got, ref))
-    assert stats.snapshot()["policy"]["budget:1"]["blocks_kept_whole"] == STEPS - 1
+    assert stats.snapshot()["policy"]["budget:1"]["blocks_kept_whole"] == STEPS
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -209,9 +209,13 @@ def test_a_graph_alive_after_its_backward_holds_nothing_of_the_block_kept_whole(
     try:
         for _ in range(STEPS):
             loss = net(x).sum()
-            last = non_reentrant._last.frame  # (None in the measured step)
-            assert last is None or any(last().kept.entries)
+            last = non_reentrant._last.frame
+            assert last is not None  # (a measuring call's too)
             loss.backward()
+        loss = net(x).sum()
+        last = non_reentrant._last.frame
+        assert last().sublayers.measure is None and any(last().kept.entries)  # (planned)
+        loss.backward()
     finally:
         paddle_mgrad.disable()
     frame = last()
@@ -253,10 +257,11 @@ def test_another_block_call_releases_the_block_kept_whole(fresh_plans, monkeypat
 
 
 # -- the plan ----------------------------------------------------------------------------
-def _planner(fraction, live, block_seconds, seconds, nbytes, head=0, step=0):
+def _planner(fraction, live, block_seconds, seconds, nbytes, head_raise=0, step=100):
     """A planner fed fixed figures for a kind of block with candidates ``seconds``/``nbytes``
-    (per call), ``live`` blocks alive, ``block_seconds`` its forward; a measured step that held
-    ``step`` bytes at its most and ``head`` before its first recomputation."""
+    (per call), activations ``A`` = 100 bytes, ``live`` blocks alive, ``block_seconds`` its
+    forward; measured steps that held ``step`` bytes at their most, their loss heads raising
+    that ``head_raise`` bytes above their forwards' peak (None: no step read it)."""
     names = tuple(seconds)
     planner = budget.Planner("budget:test", fraction)
     key = ("Block", names)
@@ -266,45 +271,49 @@ def _planner(fraction, live, block_seconds, seconds, nbytes, head=0, step=0):
     planner.forwards, planner.last_key = live, key  # (its call ended the step)
     planner.replay_starts()
     planner.replayed()
-    planner.head_bytes, planner.step_bytes = head, step
+    planner.head_raise, planner.step_bytes = head_raise, step
     return planner, key
 
 
 @pytest.mark.parametrize(
-    "block_seconds, head, chosen, last",
+    "fraction, block_seconds, head_raise, chosen, last",
     [
         # 4 blocks alive, A = 100 bytes, a step's peak P = 100 (nothing outside the blocks):
-        # budget 0.5·4·100 - 100 = 100 bytes; a costs 4·20 and spares 3 s, b 4·10 and 2 s;
-        # without the last block: a, 4·3 = 12 s per step
-        (10.0, 40, ("b",), True),  # whole 100 + 40 - 100; then b fits: 10 + 3·2 = 16 s
-        (20.0, 70, (), True),  # whole 70: nothing else fits; 20 s
-        (10.0, 70, ("a",), False),  # 10 s alone < 12
-        (50.0, 110, ("a",), False),  # whole 110: over the budget
-        (2.0, 0, ("a",), False),  # whole costs nothing, but 2 + 3·3 < 12
-        (10.0, 0, ("a",), True),  # 10 + 3·3 = 19
+        # at 0.5, a budget of 0.5·4·100 - 100 = 100 bytes; a costs 4·20 and spares 3 s, b 4·10
+        # and 2 s; without the last block: a, 4·3 = 12 s per step
+        (0.5, 10.0, 40, ("b",), True),  # whole 40; then b fits: 10 + 3·2 = 16 s
+        (0.5, 20.0, 70, (), True),  # whole 70: nothing else fits; 20 s
+        (0.5, 10.0, 70, ("a",), False),  # 10 s alone < 12
+        (0.5, 2.0, 0, ("a",), False),  # whole costs nothing, but 2 + 3·3 < 12
+        (0.5, 10.0, 0, ("a",), True),  # 10 + 3·3 = 19
+        (0.5, 20.0, 250, (), True),  # it adds no more than A = 100 bytes: fits, 20 s
+        # at 0.4, a budget of 60 bytes: a (80) does not fit, b does (4·2 = 8 s)
+        (0.4, 50.0, None, ("b",), False),  # no step read the head: A, over the budget
+        (0.4, 50.0, 60, (), True),  # 50 s
     ],
 )
 def test_the_last_block_is_kept_when_it_spares_the_most_within_the_budget(
-    fresh_plans, block_seconds, head, chosen, last
+    fresh_plans, fraction, block_seconds, head_raise, chosen, last
 ):
-    """Kept whole, the last block spares its replay once per step and adds its activations
-    ``A`` to what the step held before its first recomputation (``H``), less the step's peak
-    ``P``: ``A + H - P``; what else is kept is spared in the other blocks."""
+    """Kept whole, the last block spares its replay once per step and adds to the step's peak
+    its activations ``A``, but no more than the loss head, run with them in a measured step,
+    raised the peak over the forward's; what else is kept is spared in the other blocks."""
     planner, key = _planner(
-        0.5, 4, block_seconds, {"a": 3.0, "b": 2.0}, {"a": 20, "b": 10}, head, 100
+        fraction, 4, block_seconds, {"a": 3.0, "b": 2.0}, {"a": 20, "b": 10}, head_raise
     )
     assert planner.choose(key) == chosen
     assert planner.kinds[key].last is last
     report = stats.snapshot()["plans"]["budget:test"]["Block"]
-    assert report["budget_bytes"] == 100
-    assert (report["last_block"], report["last_block_bytes"]) == (last, head)
+    assert report["budget_bytes"] == round(fraction * 400 - 100)
+    whole = 100 if head_raise is None else min(100, head_raise)
+    assert (report["last_block"], report["last_block_bytes"]) == (last, whole)
     assert report["block_seconds"] == block_seconds
 
 
 def test_a_kind_whose_call_never_ended_a_step_is_not_kept_whole(fresh_plans):
     """A decoder layer followed by a recomputed loss block: its calls are let go of by the loss
     block's; keeping them whole would spare nothing."""
-    planner, key = _planner(0.5, 4, 50.0, {"a": 3.0, "b": 2.0}, {"a": 20, "b": 10}, 0, 100)
+    planner, key = _planner(0.5, 4, 50.0, {"a": 3.0, "b": 2.0}, {"a": 20, "b": 10})
     assert planner.kinds[key].ends_step
     planner.kinds[key].ends_step = False
     assert (planner.choose(key), planner.kinds[key].last) == (("a",), False)
@@ -324,22 +333,77 @@ def test_a_measured_call_times_the_block():
     assert kind.block_seconds >= sum(s for s in kind.seconds.values() if s)
 
 
-def test_what_a_step_holds_before_its_first_recomputation_is_read_once_per_step():
+def test_the_loss_heads_raise_over_the_forwards_peak_is_read_once_per_step():
+    """A measured step: the most it held at each block call's return (its forward's peak),
+    then at its first recomputation how far the loss head raised the allocator's peak above
+    that -- only where the step raised the peak at all (below an earlier one, the head's is
+    hidden); the most over the measured steps."""
     planner = budget.Planner("budget:head", 1.0)
-    now, peak = [0], [0]
+    now, peak = [100], [500]
     planner.memory = memory.Allocated(lambda: now[0], lambda: peak[0])
-    planner._step = (100, 500)  # (allocated, peak) at the step's first block call
-    planner.forwards = 3
-    peak[0], now[0] = 800, 400  # the loss head raised the peak
+    planner._step_starts(True, (), {})  # (allocated 100, peak 500 at the step's first call)
+    now[0], peak[0] = 600, 700  # a block's forward raised the peak, 600 bytes held at its end
+    planner.forwards = 1
+    planner.forward_returned()
+    now[0] = 400
+    planner.forward_returned()  # (the step's most so far counts: 700 - 100)
+    assert planner.forward_bytes == 600
+    assert planner.head_raise is None
+    peak[0] = 750  # the loss head raised it by 50
     planner.replay_starts()
-    assert planner.head_bytes == 700
+    assert planner.head_raise == 50
     planner.replayed()
     peak[0] = 2000  # the first recomputation raised it more: not the head's
     planner.replay_starts()
-    assert planner.head_bytes == 700
+    assert planner.head_raise == 50
+    # the next measured step: its forward below the earlier peak (what it holds counts: 500)
+    now[0] = 100
+    planner._step_starts(True, (), {})
+    assert planner.forward_bytes == 0
+    now[0], planner.forwards = 600, 3
+    planner.forward_returned()
+    assert planner.forward_bytes == 500
+    planner.replay_starts()  # the head did not raise the peak either: hidden, nothing read
+    assert planner.head_raise == 50
     planner.replayed()
-    planner._step = (100, 2000)  # the next measured step
-    planner.forwards = 3  # its head did not raise the peak: what it holds now counts
-    now[0] = 900
+    # and one whose head did: counted above what its forward held (high, never low)
+    planner._step_starts(True, (), {})
+    planner.forwards = 3
+    planner.forward_returned()
+    peak[0] = 2100
     planner.replay_starts()
-    assert planner.head_bytes == 800
+    assert planner.head_raise == 2100 - 600
+    # a step not measured reads nothing
+    planner.replayed()
+    planner._step_starts(False, (), {})
+    planner.forwards, peak[0] = 3, 9000
+    planner.forward_returned()
+    planner.replay_starts()
+    assert planner.head_raise == 1500
+
+
+@pytest.mark.parametrize("head", ["light", "heavy"])
+def test_what_keeping_the_last_block_costs_is_read_from_the_allocator(head):
+    """In a fresh process (its allocator's peak its own): the measured step keeps its last
+    block whole through the loss head and reads how far the head raised the peak above the
+    forward's.  A light head (a sum: its gradient, one hidden state) raises it by a fraction
+    of a block's activations, and ``budget:0.5`` keeps the last block whole; a heavy one (a
+    projection 64 times wider than the blocks) by more than a block holds: keeping it would
+    add all of it, and the plan does not."""
+    r = run_probe_script("last_block_probe.py", head, "0.5")
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT ") :])
+    assert res["identical"]
+    plan, raised = res["plan"], res["head_raise"]
+    a = plan["block_bytes"]
+    counters = res["counters"]
+    if head == "light":
+        assert 0 <= raised < a / 8 and plan["last_block_bytes"] == raised
+        assert plan["last_block"]
+        assert counters["blocks_kept_whole"] == 3  # (every step's: the measured one's too)
+    else:
+        assert raised > a and plan["last_block_bytes"] == a
+        assert not plan["last_block"]
+        assert counters["blocks_kept_whole"] == 1  # (the measured step's)
+    assert counters["replays"] + counters["blocks_kept_whole"] == counters["calls"]
