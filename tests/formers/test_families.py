@@ -321,12 +321,14 @@ def _check_budget(family, r, calls, blocks):
             problems.append(f"plan {label} {plan} (expected {measured} measured calls)")
         planned = calls - measured
         # kept whole: a kind that ends each micro-step (the loss block where it is recomputed,
-        # else the decoder layers: a micro-step's last one), each planned micro-step
+        # else the decoder layers: a micro-step's last one), each measured micro-step (which
+        # measures what that costs) and each planned one where the plan keeps it
         ends = label == LOSS_BLOCK or LOSS_BLOCK not in plans
-        kept = planned // (calls // MICRO) if plan["last_block"] and ends else 0
+        per_step = calls // MICRO
+        kept = planned // per_step if plan["last_block"] and ends else 0
         if plan["last_block"] and not ends:
             problems.append(f"plan {label} {plan} keeps a block whole that never ends a step")
-        whole += kept
+        whole += kept + (measured // per_step if ends else 0)
         n_gemms = sum(n.startswith("gemm:") for n in chosen)
         sublayers += (planned - kept) * (len(chosen) - n_gemms)
         gemms += (planned - kept) * n_gemms
