@@ -407,3 +407,20 @@ def test_what_keeping_the_last_block_costs_is_read_from_the_allocator(head):
         assert not plan["last_block"]
         assert counters["blocks_kept_whole"] == 1  # (the measured step's)
     assert counters["replays"] + counters["blocks_kept_whole"] == counters["calls"]
+
+
+def test_a_head_below_the_forwards_peak_costs_nothing():
+    """The forward raised the allocator's peak and the loss head, the last block held, stayed
+    below it: keeping the block whole costs nothing (read as 0, not as unknown)."""
+    planner = budget.Planner("budget:free", 0.0)
+    now, peak = [100], [500]
+    planner.memory = memory.Allocated(lambda: now[0], lambda: peak[0])
+    planner._step_starts(True, (), {})
+    now[0], peak[0], planner.forwards = 300, 900, 2
+    planner.forward_returned()
+    now[0] = 400  # (the head holds more than at the block's return, below the forward's peak)
+    planner.replay_starts()
+    assert planner.head_raise == 0
+    kind = budget._Kind("Block", ())
+    kind.block_bytes, kind.calls = 300, 3
+    assert planner.last_block_bytes(kind) == 0
