@@ -131,6 +131,63 @@ def test_calibration_rejects_a_layout_it_cannot_confirm(monkeypatch):
     assert numpy_rng._calibrate() is None
 
 
+def test_the_calibration_finds_where_numpy_keeps_the_normal_cache():
+    """Calibrated afresh (the suite's processes calibrated once, at their first capture): the
+    layout reads a ``RandomState``'s normal-draw cache as ``get_state()`` shows it, cache on
+    and off, on a generator the calibration never saw."""
+    layout = numpy_rng._calibrate()
+    assert layout is not None
+    assert layout.rs_type is np.random.RandomState and layout.mt_type is np.random.MT19937
+    rs = np.random.RandomState(5)
+    for draws in range(1, 6):  # an odd count of normal draws leaves the second value cached
+        rs.standard_normal(draws)
+        want = rs.get_state()
+        assert numpy_rng._read_cache(rs, layout) == (want[3], want[4]), draws
+    snap = numpy_rng._read(rs, layout)
+    assert snap.legacy()[3:] == tuple(rs.get_state()[3:])
+
+
+@pytest.mark.parametrize("broken", ["read", "apply", "cache", "generator"])
+def test_the_calibration_refuses_what_does_not_replay_like_numpy(monkeypatch, broken):
+    """Its own round trip against numpy's functions fails -- a snapshot that is not
+    ``get_state()``'s, an apply that does not replay the draws, a cache read at the wrong
+    place, another bit generator: no layout, numpy's own functions do it."""
+    if broken == "read":
+        read = numpy_rng._read
+        monkeypatch.setattr(numpy_rng, "_read", lambda rs, layout: _changed(read(rs, layout)))
+    elif broken == "apply":
+        monkeypatch.setattr(numpy_rng, "_apply", lambda rs, layout, snap: None)
+    elif broken == "cache":
+        monkeypatch.setattr(numpy_rng, "_read_cache", lambda rs, layout: (0, 0.0))
+    else:
+        real = np.random.RandomState
+        monkeypatch.setattr(np.random, "RandomState", lambda seed: real(np.random.PCG64(seed)))
+    assert numpy_rng._calibrate() is None
+
+
+def _changed(snap):
+    """``snap`` with its key's first word changed."""
+    mt = bytearray(snap.mt)
+    mt[0] ^= 0xFF
+    return numpy_rng._Snapshot(bytes(mt), snap.has_gauss, snap.gauss)
+
+
+@pytest.mark.parametrize(
+    "samples, fmt, values, want",
+    [
+        ([b"\0\0\0\0\x07\0\0\0", b"\0\0\0\0\x09\0\0\0"], "i", [7, 9], 4),
+        ([b"\x07\0\0\0\x07\0\0\0", b"\x09\0\0\0\x09\0\0\0"], "i", [7, 9], None),
+        ([b"\0\0\0\0\x07\0\0\0", b"\0\0\0\0\x08\0\0\0"], "i", [7, 9], None),
+        ([b"\0\x07\0\0\0\0\0\0", b"\0\x09\0\0\0\0\0\0"], "i", [7, 9], None),
+        ([b"\0" * 8 + b"\x07" + b"\0" * 7], "q", [7], 8),
+    ],
+)
+def test_only_offset_is_the_one_aligned_place_of_every_value(samples, fmt, values, want):
+    """One aligned offset holds each sample's value (the first sample's at 4); two do (none
+    unique); none does; only an unaligned one does; the last place of a sample counts."""
+    assert numpy_rng._only_offset(samples, fmt, values) == want
+
+
 def test_rng_state_snapshot_replays_numpy():
     """Through rng.RNGState, as recompute uses it: the block's numpy draws replay, the
     caller's state is back after."""
