@@ -125,9 +125,16 @@ def test_without_a_calibration_numpys_functions_do_it(monkeypatch, calibration):
     assert _same(_draws(), want)
 
 
-def test_calibration_rejects_a_layout_it_cannot_confirm(monkeypatch):
-    """Two places that both hold the probe values: no unique offset, no fast path."""
-    monkeypatch.setattr(numpy_rng, "_only_offset", lambda samples, fmt, values: None)
+@pytest.mark.parametrize("unsure", ["d", "i", "both"])
+def test_calibration_rejects_a_layout_it_cannot_confirm(monkeypatch, unsure):
+    """No unique place for the cached value (``d``), for the flag (``i``), or for either:
+    no fast path (None, not an error)."""
+    only_offset = numpy_rng._only_offset
+
+    def offset(samples, fmt, values):
+        return None if unsure in (fmt, "both") else only_offset(samples, fmt, values)
+
+    monkeypatch.setattr(numpy_rng, "_only_offset", offset)
     assert numpy_rng._calibrate() is None
 
 
@@ -180,6 +187,7 @@ def _changed(snap):
         ([b"\0\0\0\0\x07\0\0\0", b"\0\0\0\0\x08\0\0\0"], "i", [7, 9], None),
         ([b"\0\x07\0\0\0\0\0\0", b"\0\x09\0\0\0\0\0\0"], "i", [7, 9], None),
         ([b"\0" * 8 + b"\x07" + b"\0" * 7], "q", [7], 8),
+        ([b"\x07\0\0\0\0\0\0"], "i", [7], 0),  # (no place past the end: 7 bytes)
     ],
 )
 def test_only_offset_is_the_one_aligned_place_of_every_value(samples, fmt, values, want):
