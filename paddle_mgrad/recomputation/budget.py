@@ -81,8 +81,10 @@ elementwise ops weigh more), so it is measured, not assumed:
   forward's peak (a block's activations made, the others' inputs held) stays the higher, up to
   ``A`` where the head's is (a large vocabulary's logits and their gradient).  Where no measured
   step raised the allocator's peak (an earlier one, not reset since, hides the head's) it
-  counts ``A``.  The plan takes it for a kind whose call was the last of a measured step (a
-  decoder layer followed by a recomputed loss block never is) where it spares more than the
+  counts ``A``.  The plan takes it for a kind whose call, kept whole in a measured step, was
+  read by its backward before any recomputation (a decoder layer followed by a recomputed loss
+  block never is: the loss block's call lets go of it; nor is a pipeline's first stage under
+  1F1B: an earlier micro-batch's recomputation does) where it spares more than the
   candidates it displaces: the best plan without it against the block's measured forward time
   plus the best plan within what is left, spared in the other ``L - 1`` blocks
   (:meth:`Planner._choose`); its cost adds to the others' (the two peaks lie at different
@@ -183,7 +185,7 @@ class _Kind:
         self.block_seconds = None  # the block's forward: min over calls (None: not timed)
         self.chosen = None  # tuple of names once planned
         self.last = False  # whether the plan keeps the step's last block whole
-        self.ends_step = False  # a call of it was a measured step's last block call
+        self.ends_step = False  # a call of it, kept whole, was read before any recomputation
 
 
 class BlockSaved(NamedTuple):
@@ -353,18 +355,19 @@ class Planner:
             if self._step is not None:
                 self.forward_bytes = max(self.forward_bytes, self._step_held())
 
-    def replay_starts(self):
-        """A block of this policy is about to be recomputed.  The first recomputation of a
-        measured step: how far the loss head's forward and backward raised the step's peak
+    def replay_starts(self, whole=False):
+        """A block of this policy is about to be recomputed, or (``whole``) backward reads one
+        kept whole.  The first of a measured step: how far the loss head's forward and backward raised the step's peak
         above its forward's, run with the step's last block kept whole (a measuring call keeps
         it, :meth:`plan`) -- what keeping it costs (:meth:`last_block_bytes`).  Read where the
         step raised the allocator's peak, which is then the step's own; below an earlier peak
-        (not reset since) the head's is hidden, and the step tells nothing.  The first
-        recomputation of any step: the kind of the block called last ends a step (only such a
-        kind's last block can be kept whole to some purpose; a decoder layer followed by a
-        recomputed loss block never is the last)."""
+        (not reset since) the head's is hidden, and the step tells nothing.  A read of a block
+        kept whole before any recomputation of its step: keeping the kind whole spares its
+        replay (a decoder layer followed by a recomputed loss block is let go of by the loss
+        block's call, a pipeline's first stage's by an earlier micro-batch's recomputation:
+        kept whole, they would be recomputed all the same)."""
         with self.lock:
-            if self.forwards and self.last_key in self.kinds:
+            if whole and self.forwards and self.last_key in self.kinds:
                 self.kinds[self.last_key].ends_step = True
             if self.forwards and self._step is not None:
                 before, peak_before = self._step

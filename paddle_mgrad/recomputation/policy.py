@@ -216,7 +216,7 @@ def record_whole(policy: Policy, kept: Optional[KeptOutputs], sublayers, release
     policy kept for a recomputation is let go of (one comes only if an in-place change after
     the block wants it recomputed, and computes them)."""
     if policy.planner is not None:
-        policy.planner.replay_starts()
+        policy.planner.replay_starts(whole=True)
         policy.planner.replayed()
     if release:
         let_go(kept, sublayers)

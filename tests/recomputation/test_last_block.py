@@ -131,6 +131,23 @@ def test_a_recomputation_before_the_last_blocks_backward_lets_it_go(fresh_plans,
     assert counters["replays"] == 2 * LAYERS * STEPS
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_only_a_kind_read_whole_in_a_measured_step_may_be_kept_whole(fresh_plans, pipelined):
+    """Two micro-batches' forwards, then their backwards: summed, the second forward's last
+    block is read whole before any recomputation, and the kind may be kept whole; as a
+    pipeline's first stage runs them (the first micro-batch's backward first), the block is
+    let go of by that backward's recomputations -- kept whole it would spare nothing, and the
+    plan never keeps it, whatever it measured."""
+    got = _two_micro_batches("non_reentrant", "budget:1", pipelined)
+    ref = _two_micro_batches("non_reentrant", None, pipelined)
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref))
+    (kind,) = policy_mod.resolve("budget:1").planner.kinds.values()
+    assert kind.ends_step is not pipelined
+    if pipelined:
+        assert not kind.last
+        assert stats.snapshot()["policy"]["budget:1"]["blocks_kept_whole"] == 0
+
+
 def test_a_recomputation_on_paddles_reentrant_engine_lets_it_go_too(fresh_plans, monkeypatch):
     """A full-recompute block on the reentrant engine, run before the stack and back-propagated
     before it: its recomputation lets go of the stack's last block kept whole."""
@@ -268,8 +285,8 @@ def _planner(fraction, live, block_seconds, seconds, nbytes, head_raise=0, step=
     planner.kinds[key] = budget._Kind("Block", names)
     for _ in range(budget.MEASURED_CALLS):
         planner.measured(key, seconds, nbytes, 100, 0, block_seconds)
-    planner.forwards, planner.last_key = live, key  # (its call ended the step)
-    planner.replay_starts()
+    planner.forwards, planner.last_key = live, key  # (its call ended the step, read whole)
+    planner.replay_starts(whole=True)
     planner.replayed()
     planner.head_raise, planner.step_bytes = head_raise, step
     return planner, key

@@ -285,10 +285,17 @@ def test_llm_script_policy(config, policy, reference, tmp_path):
             "save": ("sublayers_not_recomputed",),
             "budget": ("gemms_not_recomputed", "sublayers_not_recomputed"),
         }[policy.split(":")[0]]
-        assert sum(g.get(s, 0) for s in spared) > 0, (where, a["policy"])
-        if policy.startswith("budget:"):  # a plan for this rank's decoder layers, followed
+        if policy.startswith("budget:"):  # a plan for this rank's decoder layers, followed:
+            # candidates spared in the replays, or the step's last block not replayed (a stage
+            # that back-propagates its last block first; under 1F1B the last stage)
             plans = a["plans"][policy]
-            assert plans and all(p["chosen"] for p in plans.values()), (where, plans)
+            assert plans and all(p["chosen"] or p["last_block"] for p in plans.values()), (
+                where,
+                plans,
+            )
+            if not any(p["chosen"] for p in plans.values()):
+                continue
+        assert sum(g.get(s, 0) for s in spared) > 0, (where, a["policy"])
 
 
 def check_rank(config, kind, mode, a, where):
