@@ -357,11 +357,12 @@ class Planner:
 
     def replay_starts(self, whole=False):
         """A block of this policy is about to be recomputed, or (``whole``) backward reads one
-        kept whole.  The first of a measured step: how far the loss head's forward and backward raised the step's peak
-        above its forward's, run with the step's last block kept whole (a measuring call keeps
-        it, :meth:`plan`) -- what keeping it costs (:meth:`last_block_bytes`).  Read where the
-        step raised the allocator's peak, which is then the step's own; below an earlier peak
-        (not reset since) the head's is hidden, and the step tells nothing.  A read of a block
+        kept whole.  The first of a measured step: how far the loss head's forward and backward
+        raised the step's peak above its forward's, run with the step's last block kept whole
+        (a measuring call keeps it, :meth:`plan`) -- what keeping it costs
+        (:meth:`last_block_bytes`).  Read where the step raised the allocator's peak
+        (:meth:`_step_peak`); below an earlier peak the head's is hidden, and the step tells
+        nothing.  A read of a block
         kept whole before any recomputation of its step: keeping the kind whole spares its
         replay (a decoder layer followed by a recomputed loss block is let go of by the loss
         block's call, a pipeline's first stage's by an earlier micro-batch's recomputation:
@@ -369,23 +370,27 @@ class Planner:
         with self.lock:
             if whole and self.forwards and self.last_key in self.kinds:
                 self.kinds[self.last_key].ends_step = True
-            if self.forwards and self._step is not None:
-                before, peak_before = self._step
-                peak = self.memory.peak()
-                if peak > peak_before:
-                    # (forward_bytes, read below an earlier peak, is what the step held then:
-                    # lower than its forward's peak, so the raise is counted high, never low)
-                    raised = max(0, peak - before - self.forward_bytes)
-                    self.head_raise = max(self.head_raise or 0, raised)
+            peak = self._step_peak() if self.forwards and self._step is not None else None
+            if peak is not None:
+                # (forward_bytes, read below an earlier peak, is what the step held then:
+                # lower than its forward's peak, so the raise is counted high, never low)
+                raised = max(0, peak - self.forward_bytes)
+                self.head_raise = max(self.head_raise or 0, raised)
+
+    def _step_peak(self) -> Optional[int]:
+        """In a measured step (under the lock): the allocator's peak above what was allocated
+        at the step's first block call, where the step raised it (then the step's own); None
+        where an earlier peak, not reset since, hides the step's."""
+        before, peak_before = self._step
+        peak = self.memory.peak()
+        return peak - before if peak > peak_before else None
 
     def _step_held(self) -> int:
         """In a measured step (under the lock): the most it held so far above what was
-        allocated at its first block call -- the allocator's peak where the step raised it,
-        else what it holds now (a lower bound: an earlier peak, not reset since, hides the
-        step's)."""
-        before, peak_before = self._step
-        peak = self.memory.peak()
-        return (peak if peak > peak_before else self.memory.now()) - before
+        allocated at its first block call -- :meth:`_step_peak`, else what it holds now (a
+        lower bound)."""
+        peak = self._step_peak()
+        return self.memory.now() - self._step[0] if peak is None else peak
 
     def replayed(self):
         """A block of this policy was recomputed (in backward): the block calls since the last
