@@ -1,12 +1,18 @@
 """No Python file under tests/ imports a ``conftest`` module.  pytest imports every
 ``conftest.py`` under the one name ``conftest`` (tests/ has no packages), so ``from conftest
 import X`` gets whichever conftest was loaded last -- tests/nlp's shadows tests/' in a plain
-``pytest`` run.  Names test modules share live in helpers.py."""
+``pytest`` run.  Names test modules share live in helpers.py.  And a bare ``pytest`` collects
+``tests/`` alone (setup.cfg's ``testpaths``), not the copy of the tests that ``nox -s mutants``
+leaves in ``mutants/``."""
 
 import ast
 import os
+import shutil
+import subprocess
+import sys
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 def conftest_imports(path):
@@ -59,3 +65,23 @@ def test_scan_finds_every_form_of_conftest_import(tmp_path):
         "from helpers import PADDLE2\nimport conftest_like\nx = 'from conftest import PADDLE2'\n"
     )
     assert conftest_imports(str(good)) == []
+
+
+def test_a_bare_pytest_collects_tests_alone(tmp_path):
+    # the checkout's pytest configuration in a tree of its own: a test under tests/, one under
+    # mutants/tests/ (as mutmut leaves it) and one at the top; the bare run may see the first only
+    shutil.copy(os.path.join(ROOT, "setup.cfg"), tmp_path / "setup.cfg")
+    for folder in ("tests", "mutants/tests", "."):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        name = "test_" + folder.replace("/", "_").strip(".") + "here.py"
+        (tmp_path / folder / name).write_text("def test_it():\n    pass\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    collected = sorted(line for line in r.stdout.splitlines() if "::" in line)
+    assert collected == ["tests/test_testshere.py::test_it"], r.stdout
