@@ -25,6 +25,7 @@ NEEDS_PACKAGE = {  # path under tests/ (a directory or one file) -> (package, wh
     "nlp": ("paddlenlp", "nox -s nlp"),
     "formers": ("paddleformers", "nox -s formers"),
     os.path.join("fleet", "launch", "test_hybrid_parallel.py"): ("paddlenlp", "nox -s fleet"),
+    os.path.join("fleet", "launch", "test_llm_script_parallel.py"): ("paddlenlp", "nox -s fleet"),
 }
 
 

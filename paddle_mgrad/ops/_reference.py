@@ -18,12 +18,13 @@ from .._compat import paddle
 from . import _inputs
 
 
-def _zeros(shape, dtype, like):
-    """Zeros on ``like``'s place (``paddle.zeros`` would use the default device: GPU zeros
-    for CPU inputs in a CUDA build)."""
+def _zeros(shape, dtype_name, like):
+    """Zeros of the dtype named ``dtype_name`` on ``like``'s place (``paddle.zeros`` would use
+    the default device: GPU zeros for CPU inputs in a CUDA build).  Paddle 2.6's ``full``
+    takes a dtype object, not its name."""
     from paddle import _C_ops
 
-    return _C_ops.full(shape, 0.0, dtype, like.place)
+    return _C_ops.full(shape, 0.0, getattr(paddle, dtype_name), like.place)
 
 
 def _accumulate(dest, value, acc_dtype):
@@ -40,16 +41,12 @@ def _accumulate(dest, value, acc_dtype):
     return dest
 
 
-def _mp(dtype):
-    return paddle.float64 if dtype == paddle.float64 else paddle.float32
-
-
 def fused_linear_param_grad_add(x, dout, dweight, dbias, multi_precision, has_bias):
     multi_precision = _inputs.flag("multi_precision", multi_precision)
     has_bias = _inputs.flag("has_bias", has_bias)
     _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
     K, N = x.shape[-1], dout.shape[-1]
-    mp = _mp(x.dtype)
+    mp = _inputs.mp_dtype(x.dtype)
     acc = mp if multi_precision else x.dtype
     M = 1
     for d in x.shape[:-1]:

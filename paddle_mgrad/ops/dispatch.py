@@ -110,6 +110,12 @@ def fused_linear_param_grad_add(
     done = fast_cpu_call(x, dout, dweight, dbias if has_bias else None, multi_precision, has_bias)
     if done is not None:
         return done
+    return _checked(x, dout, dweight, dbias, multi_precision, has_bias)
+
+
+def _checked(x, dout, dweight, dbias, multi_precision, has_bias):
+    """The call the fast CPU path declined: every input checked before anything is written,
+    a strided accumulator written through, on the tier for its place."""
     _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
     if not has_bias:
         dbias = None
@@ -135,4 +141,4 @@ def accumulate_checked(x, dout, dweight, dbias, multi_precision, has_bias, x_nam
     )
     if done is not None:
         return done
-    return fused_linear_param_grad_add(x, dout, dweight, dbias, multi_precision, has_bias)
+    return _checked(x, dout, dweight, dbias, multi_precision, has_bias)

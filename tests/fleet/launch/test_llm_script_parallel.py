@@ -37,8 +37,6 @@ import zlib  # noqa: F401  (before paddle on 2.6)
 
 import pytest
 
-pytest.importorskip("paddlenlp")
-
 from script_runs import launch, script_env, switch_on, trainer_args, with_evidence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
