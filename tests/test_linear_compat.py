@@ -264,15 +264,17 @@ def _sequential_run(segments, enabled, main_grad, steps=2):
     return grads, stats.linear["backward"] - before
 
 
+@pytest.mark.parametrize("policy", ["full", "gemm", "save:*Tanh", "budget:0.5"])
 @pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("segments", [1, 2])
-def test_paddle_recompute_sequential_with_fused_linear(segments, main_grad):
-    """Paddle's own recompute_sequential with recompute and fused linear enabled: gradients
-    equal plain autograd wherever unpatched Paddle's recompute_sequential runs, and the
-    same error where it does not.  Paddle 2.6 hands the argument tuple to the last
-    segment's first layer (that call goes to Paddle's linear; the others are fused);
-    Paddle 3.3 unpacks the previous segment's output tensor with ``*args`` when
-    ``segments > 1`` (TypeError with or without paddle_mgrad)."""
+def test_paddle_recompute_sequential_with_fused_linear(segments, main_grad, policy, monkeypatch):
+    """Paddle's own recompute_sequential with recompute and fused linear enabled, under each
+    recompute policy (the variable reaches Paddle's calls to our recompute): gradients equal plain autograd
+    wherever unpatched Paddle's recompute_sequential runs, and the same error where it does
+    not.  Paddle 2.6 hands the argument tuple to the last segment's first layer (that call goes
+    to Paddle's linear; the others are fused); Paddle 3.3 unpacks the previous segment's output
+    tensor with ``*args`` when ``segments > 1`` (TypeError with or without paddle_mgrad)."""
+    monkeypatch.setenv("PADDLE_MGRAD_RECOMPUTE_POLICY", policy)
     try:
         native, _ = _sequential_run(segments, False, main_grad)
     except TypeError as e:
@@ -281,11 +283,14 @@ def test_paddle_recompute_sequential_with_fused_linear(segments, main_grad):
             _sequential_run(segments, True, main_grad)
         return
     ref, _ = _sequential_run(0, False, main_grad)
+    calls = stats.policy.get(policy, {}).get("calls", 0)
     got, fused = _sequential_run(segments, True, main_grad)
     for r, n, g in zip(ref, native, got):
         np.testing.assert_allclose(n, r, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
     assert fused > 0
+    if policy != "full":  # each step recomputed all segments but the last, under the policy
+        assert stats.policy.get(policy, {}).get("calls", 0) - calls == 2 * (segments - 1)
 
 
 @pytest.mark.parametrize("transpose_weight", [False, True])
