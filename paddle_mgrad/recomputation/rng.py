@@ -25,20 +25,26 @@ Paddle.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 import threading
 
 from .._compat import core, paddle
 from . import numpy_rng
 
+_custom_states = None  # Paddle's custom_state_manager, or False where Paddle has none
+
 
 def _custom_state_funcs():
-    try:
-        from paddle.distributed.fleet.recompute import recompute as _r
-    except ImportError:  # pragma: no cover
-        return None, None
-    mgr = getattr(_r, "custom_state_manager", None)
-    if mgr is None or mgr.custom_get_state_func is None:
+    """The get/set functions a user registered with Paddle's ``custom_state_manager`` (3.x;
+    Paddle's recompute replays that state too), read at each capture; ``(None, None)``."""
+    global _custom_states
+    if _custom_states is None:
+        # the module, by name: the package's ``recompute`` attribute is the function
+        module = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
+        _custom_states = getattr(module, "custom_state_manager", None) or False
+    mgr = _custom_states
+    if not mgr or mgr.custom_get_state_func is None:
         return None, None
     return mgr.custom_get_state_func, mgr.custom_set_state_func
 

@@ -8,6 +8,8 @@ state applied during recomputation, the caller's current state put back after,
 in that order.  (The CPU generator, numpy and Python ``random`` are real.)
 """
 
+import importlib
+
 import numpy as np
 import paddle
 import pytest
@@ -229,3 +231,41 @@ def test_a_snapshot_replays_the_same_tracker_state_every_time(monkeypatch):
     assert replays == [first] * 3
     assert snap.tracker == {"model_parallel_rng": 7}
     assert tracker.states_ == {"model_parallel_rng": 8}  # the caller's state is back
+
+
+def _custom_state_manager():
+    # the module: the package's ``recompute`` is the function, which has no such attribute
+    paddles = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
+    mgr = getattr(paddles, "custom_state_manager", None)
+    if mgr is None:
+        pytest.skip("Paddle 2.6 has no custom_state_manager (Paddle 3.x's user RNG registry)")
+    return mgr
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_custom_state_registered_with_paddle_is_replayed(monkeypatch, use_reentrant):
+    """A user's own generator registered with Paddle's ``custom_state_manager`` (get/set
+    functions): recomputation draws what the forward drew, and backward leaves the state the
+    caller had moved on to.  The block scales by its draw, so a replay with another draw gives
+    another gradient."""
+    mgr = _custom_state_manager()
+    counter = {"n": 0}  # the user's generator: each draw returns n and advances it
+    monkeypatch.setattr(mgr, "custom_get_state_func", lambda: counter["n"])
+    monkeypatch.setattr(mgr, "custom_set_state_func", lambda n: counter.__setitem__("n", n))
+    draws = []
+
+    def block(x):
+        draws.append(counter["n"])
+        counter["n"] += 1
+        return paddle.tanh(x) * float(draws[-1] + 2)  # tanh saves its output: a replay
+
+    data = [0.5, -2.0, 3.0]
+    x = paddle.to_tensor(data, stop_gradient=False)
+    y = paddle_mgrad.recompute(block, x, use_reentrant=use_reentrant)
+    counter["n"] = 40  # the caller drew on after the forward
+    y.sum().backward()
+    assert draws == [0, 0]  # the replay drew what the forward drew
+    assert counter["n"] == 40  # and the caller's state is back
+    ref = paddle.to_tensor(data, stop_gradient=False)
+    (paddle.tanh(ref) * 2.0).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), ref.grad.numpy())
