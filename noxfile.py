@@ -8,9 +8,9 @@
     nox -s nlp_fleet                     # nlp + fleet/launch in one venv per Paddle version (CI)
     nox -s formers                       # PaddleFormers 1.2.0's Trainer (Paddle 3.3.1)
     nox -s nlp272                        # tests/nlp on Paddle 2.6.2 + PaddleNLP 2.7.2 (the report's stack)
-    nox -s lint                          # ruff check (rules: ruff.toml), pinned ruff, seconds
+    nox -s lint                          # ruff check + ruff format --check + clang-format (pinned), seconds
     nox -s format                        # ruff format the tree (not run by CI; docs/development.md)
-    nox -s mutants                       # mutmut over the gradient core (not run by CI; ~45 min)
+    nox -s mutants                       # mutmut over the gradient core (not run by CI; hours)
 
 pip keeps its download cache (~/.cache/pip, or $PIP_CACHE_DIR) between runs; venvs are reused.
 With PADDLE_MGRAD_NOX_FREE_VENVS=1 (what .ci/run sets) each session deletes its virtualenv when
