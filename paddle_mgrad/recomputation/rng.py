@@ -137,7 +137,7 @@ def capture() -> RNGState:
     return RNGState()
 
 
-def exclusive(active: bool = True):
+def exclusive(active: bool):
     """Hold the RNG lock (capture and forward of a block that preserves RNG state)."""
     return _lock if active else contextlib.nullcontext()
 

@@ -269,3 +269,18 @@ def test_a_custom_state_registered_with_paddle_is_replayed(monkeypatch, use_reen
     ref = paddle.to_tensor(data, stop_gradient=False)
     (paddle.tanh(ref) * 2.0).sum().backward()
     np.testing.assert_array_equal(x.grad.numpy(), ref.grad.numpy())
+
+
+def test_a_custom_state_of_none_is_not_set(monkeypatch):
+    """A registered getter that returns None (the user's generator not started): as Paddle's
+    recompute, nothing is handed to the setter -- in the replay or after it."""
+    mgr = _custom_state_manager()
+    calls = []
+    monkeypatch.setattr(mgr, "custom_get_state_func", lambda: None)
+    monkeypatch.setattr(mgr, "custom_set_state_func", calls.append)
+    x = paddle.to_tensor([0.5, -2.0], stop_gradient=False)
+    paddle_mgrad.recompute(paddle.tanh, x, use_reentrant=False).sum().backward()
+    assert calls == []
+    ref = paddle.to_tensor([0.5, -2.0], stop_gradient=False)
+    paddle.tanh(ref).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), ref.grad.numpy())
