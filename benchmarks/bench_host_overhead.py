@@ -54,6 +54,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad  # noqa: E402
 from paddle_mgrad import stats  # noqa: E402
+from paddle_mgrad._compat import IS_PADDLE_2  # noqa: E402
 
 RECOMPUTE = ("none", "non_reentrant", "reentrant")
 ROWS = {
@@ -102,7 +103,7 @@ def make_step(blocks, x0, rmode):
 
     # Paddle 2.6's own non-reentrant recompute cannot preserve the RNG state on a CPU; both
     # sides run with the same setting
-    preserve = not paddle.__version__.startswith("2.")
+    preserve = not IS_PADDLE_2
 
     def step():
         x = x0.detach()

@@ -57,6 +57,7 @@ def child(args):
     from paddle.distributed.fleet.utils import recompute as paddle_recompute
 
     import paddle_mgrad
+    from paddle_mgrad._compat import HOST_MEMORY_RESET_PEAK, IS_PADDLE_2
 
     paddle.seed(0)
     d, blocks = args.hidden, args.blocks
@@ -83,7 +84,7 @@ def child(args):
     elif mode != "none":
         impl = paddle_recompute if mode.startswith("paddle") else paddle_mgrad.recompute
         reentrant = "_reentrant" in mode and "non_reentrant" not in mode
-        preserve = not (mode == "paddle_non_reentrant" and paddle.__version__.startswith("2."))
+        preserve = not (mode == "paddle_non_reentrant" and IS_PADDLE_2)
         extra = {"determinism_check": "values"} if mode.endswith("_values") else {}
         if extra:  # time spent fingerprinting, measured inside the step (CPU: synchronous)
             from paddle_mgrad.recomputation import non_reentrant, reentrant
@@ -112,8 +113,8 @@ def child(args):
         x = x0.detach()
         x.stop_gradient = False
         base = core.host_memory_stat_current_value("Allocated", 0)
-        if hasattr(core, "host_memory_stat_reset_peak_value"):
-            core.host_memory_stat_reset_peak_value("Allocated", 0)
+        if HOST_MEMORY_RESET_PEAK is not None:
+            HOST_MEMORY_RESET_PEAK("Allocated", 0)
         fp_time[0] = 0.0
         t0, c0 = time.perf_counter(), time.process_time()
         h = x

@@ -71,6 +71,7 @@ def main():
 
     import paddle_mgrad
     from paddle_mgrad import stats
+    from paddle_mgrad._compat import HOST_MEMORY_RESET_PEAK
 
     paddle_mgrad.enable(recompute=True, fused_linear=True)
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
@@ -97,12 +98,12 @@ def main():
     MixPrecisionLayer(model, dtype="bfloat16")  # fp32 params, fp32 main_grad kept across steps
     ids = paddle.randint(0, config.vocab_size, [batch, args.seq + 1])
     inputs, labels = ids[:, :-1], ids[:, 1:]
-    mem = hasattr(core, "host_memory_stat_reset_peak_value")
+    mem = HOST_MEMORY_RESET_PEAK is not None
 
     def step():
         base = core.host_memory_stat_current_value("Allocated", 0) if mem else 0
         if mem:
-            core.host_memory_stat_reset_peak_value("Allocated", 0)
+            HOST_MEMORY_RESET_PEAK("Allocated", 0)
         t0 = time.perf_counter()
         out = model(input_ids=inputs, labels=labels, use_cache=False)
         loss = out[0] if isinstance(out, (tuple, list)) else out.loss

@@ -73,6 +73,10 @@ def _memory_stats(where):
 HOST_MEMORY_STATS = _memory_stats("host")
 DEVICE_MEMORY_STATS = _memory_stats("device")
 
+#: ``core.host_memory_stat_reset_peak_value(stat name, device id)`` (3.x): a step's own host peak
+#: can be measured; 2.6 has none and keeps the process's peak (None)
+HOST_MEMORY_RESET_PEAK = getattr(core, "host_memory_stat_reset_peak_value", None)
+
 
 def run_custom_op():
     """Paddle's entry point for a custom op in dynamic mode, which the wrapper Paddle

@@ -3,7 +3,9 @@
 A module elsewhere that compares Paddle's version, reads ``IS_PADDLE_2``/``PADDLE_VERSION``, or
 probes a Paddle module or class for an attribute (``hasattr(_C_ops, ...)``,
 ``getattr(core.eager.Tensor, ...)``) is making such a decision on its own: this test names it,
-so that the fact moves to ``_compat.py`` with its line of why.
+so that the fact moves to ``_compat.py`` with its line of why.  Tests, benchmarks and examples
+may read ``IS_PADDLE_2`` (``helpers.PADDLE2``) but compare no version and probe no Paddle module
+themselves, except the lines listed, each with its reason, in ``EXEMPT_OUTSIDE``.
 """
 
 import ast
@@ -98,6 +100,101 @@ def test_no_version_decision_outside_compat():
     )
 
 
+CHECKOUT = os.path.dirname(ROOT)
+# outside the package: tests, benchmarks and examples may read IS_PADDLE_2 (helpers.PADDLE2),
+# but compare no version and probe no Paddle module themselves (the fact goes to _compat.py)
+OUTSIDE = ("tests", "benchmarks", "examples")
+# sites outside the package whose subject is the version or the attribute itself, and why:
+# {(path, the line as written): why}
+EXEMPT_OUTSIDE = {
+    (
+        os.path.join("tests", "test_compat.py"),
+        'two = paddle.__version__.startswith("2.")',
+    ): "checks IS_PADDLE_2 and the facts against the version itself",
+    (
+        os.path.join("tests", "diagnostics", "test_doctor.py"),
+        'assert steps["paddle"]["version"] == paddle.__version__',
+    ): "the doctor reports this Paddle's version",
+    (
+        os.path.join("tests", "ops", "test_build.py"),
+        'assert info["paddle_version"] == paddle.__version__ and info["cuda"] is _build.with_cuda()',
+    ): "a finished build records the Paddle version it was built against",
+    (
+        os.path.join("tests", "ops", "test_build.py"),
+        'assert e["paddle_version"] == paddle.__version__',
+    ): "inspect_cache reports the Paddle version a build records",
+    (
+        os.path.join("tests", "fleet", "test_c_ops.py"),
+        'assert not hasattr(paddle._C_ops, "fused_linear_param_grad_add")',
+    ): "disable() deletes the attribute that enable() added to a Paddle without it",
+    (
+        os.path.join("tests", "fleet", "launch", "cpu_dualpipev_standins.py"),
+        'if not hasattr(core.ProcessGroupGloo, "get_stream"):',
+    ): "a test-only stand-in for what Paddle's CPU gloo group lacks, never replacing Paddle's own",
+}
+
+
+def _outside_modules():
+    for name in sorted(os.listdir(CHECKOUT)):  # setup.py, noxfile.py, ...
+        if name.endswith(".py"):
+            yield os.path.join(CHECKOUT, name)
+    for top in OUTSIDE:
+        for base, dirs, files in os.walk(os.path.join(CHECKOUT, top)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    yield os.path.join(base, name)
+
+
+def outside_findings(paths):
+    """``{(path, line as written): [where, ...]}`` for each version comparison or Paddle probe
+    in ``paths`` (relative to the checkout)."""
+    found = {}
+    for path in paths:
+        rel = os.path.relpath(path, CHECKOUT)
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        lines = source.splitlines()
+        for line, what in findings(source, path):
+            if what.startswith(("compares ", "probes ")):
+                key = (rel, lines[line - 1].strip())
+                found.setdefault(key, []).append(f"{rel}:{line}: {what}")
+    return found
+
+
+def test_no_version_decision_in_tests_benchmarks_or_examples():
+    """Outside the package too, a version or capability decision reads a named fact
+    (``helpers.PADDLE2``, ``paddle_mgrad._compat``); the sites whose subject is the version or
+    the attribute itself are listed in EXEMPT_OUTSIDE, each with its reason."""
+    found = outside_findings(_outside_modules())
+    bad = sorted(w for key, where in found.items() if key not in EXEMPT_OUTSIDE for w in where)
+    assert not bad, (
+        "version comparisons / Paddle probes outside paddle_mgrad/ (use helpers.PADDLE2 or a "
+        "named fact of paddle_mgrad/_compat.py, adding one there with its line of why; or, "
+        "where the version itself is the subject, list the line in EXEMPT_OUTSIDE):\n"
+        + "\n".join(bad)
+    )
+    stale = sorted(f"{path}: {line}" for path, line in EXEMPT_OUTSIDE if (path, line) not in found)
+    assert not stale, "EXEMPT_OUTSIDE lists lines that are gone:\n" + "\n".join(stale)
+
+
+def test_the_outside_check_sees_a_new_comparison(tmp_path):
+    """A test file that decides on the version itself is named, even in a file that has an
+    exempt line; reading the named fact is not."""
+    exempt = os.path.join(CHECKOUT, "tests", "diagnostics", "test_doctor.py")
+    with open(exempt, encoding="utf-8") as f:
+        source = f.read()
+    bad = tmp_path / "test_doctor.py"
+    bad.write_text(source + '\nOLD = paddle.__version__.startswith("2.")\n')
+    good = tmp_path / "test_ok.py"
+    good.write_text("from helpers import PADDLE2\nOLD = PADDLE2\n")
+    found = outside_findings([str(bad), str(good)])
+    assert [line for _, line in found] == [
+        'assert steps["paddle"]["version"] == paddle.__version__',
+        'OLD = paddle.__version__.startswith("2.")',
+    ]
+
+
 @pytest.mark.parametrize(
     "source, what",
     [
@@ -157,3 +254,10 @@ def test_the_facts_hold_on_this_paddle():
     assert _compat.LINEAR_IS_C_OP is (two or not paddle.is_compiled_with_cuda())
     if _compat.PADDLE_COMMIT:
         assert _compat.PADDLE_COMMIT == paddle.version.commit
+    if _compat.HOST_MEMORY_RESET_PEAK is not None:  # the peak drops to what is held now
+        now, peak = _compat.HOST_MEMORY_STATS
+        big = paddle.ones([256, 1024])
+        del big
+        assert peak("Allocated", 0) > now("Allocated", 0)
+        _compat.HOST_MEMORY_RESET_PEAK("Allocated", 0)
+        assert peak("Allocated", 0) == now("Allocated", 0)

@@ -21,11 +21,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
-from helpers import nonzero_biases, require_cpp_op
+from helpers import PADDLE2, nonzero_biases, require_cpp_op
 from paddle_mgrad import FusedLinearError, linear as L, ops, stats
 from paddle_mgrad.ops import _inputs, entries
-
-IS_2 = paddle.__version__.startswith("2.")
 
 
 # ------------------------------------------------------------------------- dtype names
@@ -204,7 +202,7 @@ def _event(pair, kind, rs):
     elif kind == "toggle fused":
         pair.fused = not pair.fused
     elif kind == "set_flags":
-        if not IS_2:
+        if not PADDLE2:
             flag = "FLAGS_use_legacy_linear"
             cur = paddle.get_flags(flag)[flag]
             paddle.set_flags({flag: not cur})
@@ -225,7 +223,7 @@ EVENTS = [
 @given(st.lists(st.sampled_from(EVENTS), min_size=3, max_size=12), st.integers(0, 2**31 - 1))
 def test_event_sequences_match_plain_paddle(events, seed):
     """Whatever happens between steps, main_grad equals plain Paddle's (fp32 reference path)."""
-    flag = None if IS_2 else paddle.get_flags("FLAGS_use_legacy_linear")
+    flag = None if PADDLE2 else paddle.get_flags("FLAGS_use_legacy_linear")
     rs = np.random.RandomState(seed)
     pair = _Pair()
     try:

@@ -12,10 +12,9 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 
 import paddle_mgrad
 from paddle_mgrad import stats
+from paddle_mgrad._compat import HOST_MEMORY_RESET_PEAK  # a step's own peak (Paddle 3.x)
 from paddle_mgrad.recomputation import policy as policy_mod
 
-#: what keeps a step's peak: reset between steps (Paddle 3.x; 2.6 keeps the process's peak)
-RESET_PEAK = getattr(core, "host_memory_stat_reset_peak_value", None)
 #: a wide llama's decoder layer (the benchmark's): smaller ones (hidden 64 to 512) do not
 #: show a kept gate projection costing twice what the count of bytes backward does not save
 #: anyway said, this one does
@@ -53,7 +52,9 @@ def _llama():
     return model, ids[:, :-1], ids[:, 1:]
 
 
-@pytest.mark.skipif(RESET_PEAK is None, reason="Paddle 2.6 cannot reset the host allocator's peak")
+@pytest.mark.skipif(
+    HOST_MEMORY_RESET_PEAK is None, reason="Paddle 2.6 cannot reset the host allocator's peak"
+)
 def test_a_kept_linear_output_costs_no_more_than_the_plan_counts(monkeypatch):
     """Each linear of a 2-layer llama kept alone (a callable policy): the step's peak over
     full recompute's is at most what ``budget:`` counts for that candidate (its bytes in every
@@ -67,7 +68,7 @@ def test_a_kept_linear_output_costs_no_more_than_the_plan_counts(monkeypatch):
 
     def step():
         base = core.host_memory_stat_current_value("Allocated", 0)
-        RESET_PEAK("Allocated", 0)
+        HOST_MEMORY_RESET_PEAK("Allocated", 0)
         out = model(input_ids=inputs, labels=labels, use_cache=False)
         (out[0] if isinstance(out, (tuple, list)) else out.loss).backward()
         return core.host_memory_stat_peak_value("Allocated", 0) - base

@@ -362,7 +362,9 @@ def install(pipeline: bool = True):
     for name, fn in GLOO_METHODS.items():
         setattr(core.ProcessGroupGloo, name, fn)
 
-    ops = paddle._C_ops if not paddle.__version__.startswith("2.") else paddle._legacy_C_ops
+    from paddle_mgrad._compat import IS_PADDLE_2  # (the ranks run paddle_mgrad)
+
+    ops = paddle._legacy_C_ops if IS_PADDLE_2 else paddle._C_ops
     _paddle["api"] = "_C_ops" if ops is paddle._C_ops else "_legacy_C_ops"
     for name, fn in C_OPS.items():
         _paddle[name] = getattr(ops, name)

@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from helpers import PADDLE2
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "train_hybrid.py")
 sys.path.insert(0, HERE)
@@ -88,7 +90,7 @@ def _skip_sp_overlap_on_paddle2():
     has_flag = hasattr(
         fleet.DistributedStrategy().hybrid_configs["mp_configs"], "sp_async_reduce_scatter"
     )
-    if paddle.__version__.startswith("2."):
+    if PADDLE2:
         assert not has_class and not has_flag, paddle.__version__
         pytest.skip(
             f"Paddle {paddle.__version__} has no SPInnerOverlapLinear "

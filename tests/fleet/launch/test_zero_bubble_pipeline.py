@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from helpers import PADDLE2
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "train_dualpipev.py")
 sys.path.insert(0, HERE)
@@ -38,7 +40,7 @@ def _paddle_has_dualpipev():
         has = True
     except ImportError:
         has = False
-    if paddle.__version__.startswith("2."):
+    if PADDLE2:
         assert not has, paddle.__version__
         pytest.skip(
             f"Paddle {paddle.__version__} has no DualPipeV / zero_bubble_utils "
