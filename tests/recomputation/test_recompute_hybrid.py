@@ -126,6 +126,35 @@ def test_rng_replayed_cpu_generator_and_mp_tracker():
     assert (g0 == 0).any()  # dropout really dropped something
 
 
+def test_a_custom_state_registered_with_paddle_is_replayed(monkeypatch):
+    """A user's generator registered with Paddle 3.x's ``custom_state_manager``, which Paddle's
+    own recompute_hybrid replays: the recomputation draws what the forward drew, and the
+    caller's later state is back after backward."""
+    paddles = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
+    mgr = getattr(paddles, "custom_state_manager", None)
+    if mgr is None:
+        pytest.skip("Paddle 2.6 has no custom_state_manager (Paddle 3.x's user RNG registry)")
+    counter = {"n": 0}
+    monkeypatch.setattr(mgr, "custom_get_state_func", lambda: counter["n"])
+    monkeypatch.setattr(mgr, "custom_set_state_func", lambda n: counter.__setitem__("n", n))
+    draws = []
+
+    def f(a):
+        draws.append(counter["n"])
+        counter["n"] += 1
+        return paddle.tanh(a) * float(draws[-1] + 2)
+
+    paddle_mgrad.enable(recompute=True)
+    x = _x()
+    y = hybrid({"mp_group": Group()}, f, x)
+    counter["n"] = 40
+    y.sum().backward()
+    assert draws == [0, 0] and counter["n"] == 40
+    ref = _x()
+    (paddle.tanh(ref) * 2.0).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), ref.grad.numpy())
+
+
 def test_nondeterministic_recomputation_raises():
     paddle_mgrad.enable(recompute=True)
     calls = []
