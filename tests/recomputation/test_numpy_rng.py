@@ -44,11 +44,44 @@ def _keep_global_state():
     np.random.set_state(state)
 
 
-def test_the_fast_path_is_calibrated_on_this_numpy():
+def test_the_fast_path_is_calibrated_on_this_numpy(monkeypatch):
     """On the numpys of the test sessions the calibration finds the layout: the fast path
-    runs (else every snapshot is numpy's ~30 us get_state, still correct)."""
+    runs (else every snapshot is numpy's ~30 us get_state, still correct).  Calibrated afresh:
+    a process calibrates once, at its first capture."""
+    monkeypatch.setattr(numpy_rng, "_layout", numpy_rng._UNKNOWN)
     assert numpy_rng._fast_layout(np.random.mtrand._rand) is not None
     assert type(numpy_rng.capture()) is numpy_rng._Snapshot
+
+
+def test_a_fast_snapshot_is_restored_by_the_fast_path(monkeypatch):
+    """A snapshot taken by the fast path is written back by it (``_apply``) and, while numpy's
+    normal cache still holds what the snapshot does, without numpy's ``set_state``."""
+    assert numpy_rng._fast_layout(np.random.mtrand._rand) is not None  # (calibrated first)
+    applied, legacy = [], []
+    real_apply, real_legacy = numpy_rng._apply, numpy_rng._Snapshot.legacy
+    monkeypatch.setattr(numpy_rng, "_apply", lambda *a: applied.append(1) or real_apply(*a))
+    monkeypatch.setattr(
+        numpy_rng._Snapshot, "legacy", lambda self: legacy.append(1) or real_legacy(self)
+    )
+    np.random.seed(5)
+    snap = numpy_rng.capture()
+    want = np.random.rand(700)  # the key moves (regenerated); the normal cache stays empty
+    numpy_rng.restore(snap)
+    np.testing.assert_array_equal(np.random.rand(700), want)
+    assert (applied, legacy) == ([1], [])
+
+
+def test_a_fast_snapshot_restored_without_a_layout_uses_numpy(monkeypatch):
+    """The layout gone between capture and restore (the generator no longer the calibrated
+    kind): numpy's ``set_state`` writes the snapshot."""
+    np.random.seed(6)
+    np.random.standard_normal()  # a normal cached
+    snap = numpy_rng.capture()
+    assert type(snap) is numpy_rng._Snapshot
+    want = _draws()
+    monkeypatch.setattr(numpy_rng, "_layout", None)
+    numpy_rng.restore(snap)
+    assert _same(_draws(), want)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
