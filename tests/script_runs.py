@@ -145,8 +145,8 @@ def launch(argv, out_dir, nproc, env, timeout, cwd):
 
     * Paddle 3.3.1's 2-rank gloo runs on CPU sometimes lose a rank to SIGABRT *after*
       training, at interpreter exit, with nothing in its log (no Python traceback: faulthandler
-      is already off).  Seen in plain runs without paddle_mgrad as well as with it (CI
-      2026-12-01: the plain run; locally 2 of 21 runs of test_unmodified_script_two_ranks).
+      is already off).  Seen in plain runs without paddle_mgrad as well as with it (in CI, and
+      locally in 2 of 21 runs of test_unmodified_script_two_ranks).
       Repeated when the launcher reports that abort and every rank's log says training
       completed (the aborted run is kept beside it as ``<out_dir>.aborted``);
     * a failed rendezvous before training (:func:`rendezvous_failed`; kept as

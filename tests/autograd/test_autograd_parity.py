@@ -373,8 +373,8 @@ def test_parameter_hooks_as_plain_paddle(mode):
     """A user hook on a weight or bias sees the gradient and its return value takes effect
     exactly as in plain Paddle, in every main_grad mode (MixPrecisionLayer's own hook changes
     plain behaviour too: registered before it, the doubled gradient reaches .grad and its
-    assert fires on the next step, in both runs).  Before the fix: the hook saw None on
-    Paddle 3.3 (TypeError in the user's lambda) and the process died on Paddle 2.6.
+    assert fires on the next step, in both runs).  What goes wrong otherwise: the hook sees
+    None on Paddle 3.3 (TypeError in the user's lambda), and the process dies on Paddle 2.6.
     In a subprocess: never a signal."""
     res = _in_child("_hooks_scenario", HOOK_MODES)[mode]
     plain, ours = dict(res["plain"]), dict(res["ours"])  # (a copy: the result is cached)

@@ -299,7 +299,7 @@ def test_crash_probe_recompute_beside_plain_autograd_threads():
 
     The first overlap -- before any other thread was seen -- still touches the slot once
     (docs/limits.md says so; on 2.6 one probe in ~16 run two at a time crashed there, in a
-    worker's TensorWrapper, 2026-12-02).  So it is staged here: the first worker records
+    worker's TensorWrapper).  So it is staged here: the first worker records
     autograd while the first recompute is parked inside its block (the slot registered and
     left alone), and nothing records autograd while that recompute empties the slot.  From
     then on the threads run freely: the steady state this probe is about."""
