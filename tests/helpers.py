@@ -4,6 +4,7 @@ files import it by name (``tests/`` is on ``sys.path`` once pytest has loaded
 ``tests/conftest.py``); conftest.py itself holds only fixtures and hooks, because pytest imports
 every ``conftest.py`` under the module name ``conftest`` and the last one loaded wins."""
 
+import importlib
 import os
 import re
 import subprocess
@@ -96,3 +97,24 @@ def nonzero_biases(layer):
         if name.rsplit(".", 1)[-1] == "bias":
             p.set_value(paddle.uniform(p.shape, dtype=p.dtype, min=-0.5, max=0.5))
     return layer
+
+
+def custom_state_manager():
+    """Paddle 3.x's ``custom_state_manager`` (a user's generator, by get/set functions, which
+    Paddle's recompute replays); skips on Paddle 2.6, which has none.  Looked up on the module:
+    the package's ``recompute`` attribute is the function, which has no such attribute."""
+    module = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
+    mgr = getattr(module, "custom_state_manager", None)
+    if mgr is None:
+        pytest.skip("Paddle 2.6 has no custom_state_manager (Paddle 3.x's user RNG registry)")
+    return mgr
+
+
+def register_counter_generator(monkeypatch):
+    """Register with :func:`custom_state_manager` (undone at the test's end) a generator whose
+    state is ``counter["n"]``: a draw reads it and advances it.  Returns ``counter``."""
+    mgr = custom_state_manager()
+    counter = {"n": 0}
+    monkeypatch.setattr(mgr, "custom_get_state_func", lambda: counter["n"])
+    monkeypatch.setattr(mgr, "custom_set_state_func", lambda n: counter.__setitem__("n", n))
+    return counter

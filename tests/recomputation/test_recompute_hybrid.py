@@ -13,7 +13,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import MixPrecisionLayer
 from paddle.incubate.distributed.fleet import recompute_hybrid as incubate_recompute_hybrid
 
 import paddle_mgrad
-from helpers import nonzero_biases
+from helpers import nonzero_biases, register_counter_generator
 from paddle_mgrad import RecomputeError, registry, stats
 from userlayers import SEEN, Block, SaveAll
 
@@ -130,13 +130,7 @@ def test_a_custom_state_registered_with_paddle_is_replayed(monkeypatch):
     """A user's generator registered with Paddle 3.x's ``custom_state_manager``, which Paddle's
     own recompute_hybrid replays: the recomputation draws what the forward drew, and the
     caller's later state is back after backward."""
-    paddles = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
-    mgr = getattr(paddles, "custom_state_manager", None)
-    if mgr is None:
-        pytest.skip("Paddle 2.6 has no custom_state_manager (Paddle 3.x's user RNG registry)")
-    counter = {"n": 0}
-    monkeypatch.setattr(mgr, "custom_get_state_func", lambda: counter["n"])
-    monkeypatch.setattr(mgr, "custom_set_state_func", lambda n: counter.__setitem__("n", n))
+    counter = register_counter_generator(monkeypatch)
     draws = []
 
     def f(a):

@@ -8,13 +8,12 @@ state applied during recomputation, the caller's current state put back after,
 in that order.  (The CPU generator, numpy and Python ``random`` are real.)
 """
 
-import importlib
-
 import numpy as np
 import paddle
 import pytest
 
 import paddle_mgrad
+from helpers import custom_state_manager, register_counter_generator
 from paddle_mgrad.recomputation import rng
 
 
@@ -233,25 +232,13 @@ def test_a_snapshot_replays_the_same_tracker_state_every_time(monkeypatch):
     assert tracker.states_ == {"model_parallel_rng": 8}  # the caller's state is back
 
 
-def _custom_state_manager():
-    # the module: the package's ``recompute`` is the function, which has no such attribute
-    paddles = importlib.import_module("paddle.distributed.fleet.recompute.recompute")
-    mgr = getattr(paddles, "custom_state_manager", None)
-    if mgr is None:
-        pytest.skip("Paddle 2.6 has no custom_state_manager (Paddle 3.x's user RNG registry)")
-    return mgr
-
-
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_a_custom_state_registered_with_paddle_is_replayed(monkeypatch, use_reentrant):
     """A user's own generator registered with Paddle's ``custom_state_manager`` (get/set
     functions): recomputation draws what the forward drew, and backward leaves the state the
     caller had moved on to.  The block scales by its draw, so a replay with another draw gives
     another gradient."""
-    mgr = _custom_state_manager()
-    counter = {"n": 0}  # the user's generator: each draw returns n and advances it
-    monkeypatch.setattr(mgr, "custom_get_state_func", lambda: counter["n"])
-    monkeypatch.setattr(mgr, "custom_set_state_func", lambda n: counter.__setitem__("n", n))
+    counter = register_counter_generator(monkeypatch)  # each draw returns n and advances it
     draws = []
 
     def block(x):
@@ -274,7 +261,7 @@ def test_a_custom_state_registered_with_paddle_is_replayed(monkeypatch, use_reen
 def test_a_custom_state_of_none_is_not_set(monkeypatch):
     """A registered getter that returns None (the user's generator not started): as Paddle's
     recompute, nothing is handed to the setter -- in the replay or after it."""
-    mgr = _custom_state_manager()
+    mgr = custom_state_manager()
     calls = []
     monkeypatch.setattr(mgr, "custom_get_state_func", lambda: None)
     monkeypatch.setattr(mgr, "custom_set_state_func", calls.append)
