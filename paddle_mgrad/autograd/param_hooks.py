@@ -26,7 +26,10 @@ import weakref
 
 __all__ = ["has_user_hooks", "wrap_register_hook"]
 
-_lock = threading.Lock()
+# Reentrant: counting a hook allocates under it, an allocation may run the garbage collector, and
+# the collector may free another tensor with a hook (its handle holds it in a reference cycle):
+# that tensor's weakref callback (_forget) then takes the lock again, in the same thread.
+_lock = threading.RLock()
 # id(tensor) -> [weakref to the tensor, number of live user hooks]
 _counts: dict = {}
 #: the same dict, read-only for hot paths: empty means no tensor has a user hook (nothing to ask)
