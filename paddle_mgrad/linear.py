@@ -504,10 +504,10 @@ def _backward_checked(ctx, x, dy, weight, bias):
     dx = None
     if ctx.x_needs_grad:
         dx = input_grad(dy, weight, ctx.transpose_weight, x.dtype, names)
-    if tracer()._has_grad:  # create_graph: the accumulation is no part of any graph
-        with paddle.no_grad():
-            dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
-    else:  # an ordinary backward runs with grad off already
+    # An ordinary backward runs with grad off already (a paddle.grad pass, the one that may
+    # create a graph, takes functional_grads): no_grad keeps the accumulation out of any graph
+    # whatever calls this.
+    with paddle.no_grad():
         dw, db = weight_and_bias_grads(x, dy, weight, bias, ctx.transpose_weight, names)
     if bias is None:
         return dx, dw
@@ -601,8 +601,9 @@ def apply_under_policy(apply, x, weight, *args, saves=None):
     return _recomputing.replayed_output(found[0].detach(), found[1])
 
 
-def _incubate_fused_linear(x, weight, bias=None, transpose_weight=False, name=None):
-    """Drop-in for ``paddle.incubate.nn.functional.fused_linear``."""
+def _incubate_fused_linear(x, weight, bias, transpose_weight, name):
+    """Drop-in for ``paddle.incubate.nn.functional.fused_linear`` (its trampoline hands on every
+    argument, Paddle's defaults applied)."""
     facts = route(x, weight, bias, transpose_weight)
     if facts is None:
         return original("incubate_fused_linear")(x, weight, bias, transpose_weight, name)

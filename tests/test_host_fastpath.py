@@ -724,3 +724,41 @@ def test_gpu_common_case_backward_calls_the_entry_only_on_our_cuda_tier(
         assert calls == [("wgrad_add", True)] * 2 and checked == []
     else:
         assert calls == [] and checked == [True] * 2
+
+
+@pytest.mark.parametrize("transpose_weight", [False, True])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_incubate_fused_linear_takes_the_common_case_backward(monkeypatch, bias, transpose_weight):
+    """``paddle.incubate.nn.functional.fused_linear`` with a ``[K, N]`` weight hands the route's
+    facts to our linear as ``F.linear`` does: its backward takes the short path, into main_grad.
+    A transposed (``[N, K]``) weight takes the general one.  main_grad right either way."""
+    require_cpp_op()
+    from paddle.incubate.nn.functional import fused_linear as inc
+
+    rs = np.random.RandomState(3)
+    wv = rs.standard_normal([5, 3]).astype("float32")
+    w = paddle.create_parameter([3, 5] if transpose_weight else [5, 3], "float32")
+    w.set_value(wv.T.copy() if transpose_weight else wv)
+    params = [w]
+    b = None
+    if bias:
+        b = paddle.create_parameter([3], "float32", is_bias=True)
+        b.set_value(rs.standard_normal([3]).astype("float32"))
+        params.append(b)
+    for p in params:
+        p.main_grad = None
+    data = rs.standard_normal([2, 4, 5]).astype("float32")
+    taken = _spy_backward_fast(monkeypatch)
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        y = inc(paddle.to_tensor(data), w, b, transpose_weight=transpose_weight)
+        (y**2).sum().backward()
+    finally:
+        paddle_mgrad.disable()
+    assert taken == ([] if transpose_weight else [True])
+    x2 = data.reshape(-1, 5).astype("float64")
+    dy = 2 * (x2 @ wv + (b.numpy() if bias else 0))
+    dw = x2.T @ dy
+    np.testing.assert_allclose(w.main_grad.numpy(), dw.T if transpose_weight else dw, rtol=1e-5)
+    if bias:
+        np.testing.assert_allclose(b.main_grad.numpy(), dy.sum(0), rtol=1e-5, atol=1e-5)

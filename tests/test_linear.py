@@ -219,10 +219,20 @@ def test_pylayer_apply_directly():
     assert w.grad is None
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["one", "nested"])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_native_reentrant_with_parameter_arguments(steps):
+def test_native_reentrant_with_parameter_arguments(steps, nested):
     """Paddle's reentrant recompute copies parameter *arguments* (deep-copying main_grad);
-    with only the fused linear enabled, main_grad must still land on the real parameter."""
+    with only the fused linear enabled, main_grad must still land on the real parameter --
+    also when a recompute inside the block copies the copy again, and from the copy's own
+    linear after that."""
+
+    def block(a, w, b):
+        return paddle.tanh(paddle.nn.functional.linear(a, w, b))
+
+    def outer(a, w, b):
+        return native_recompute(block, a, w, b, use_reentrant=True) + block(a, w, b)
+
     paddle_mgrad.enable(recompute=False, fused_linear=True)
     before = stats.linear["into_main_grad"]
     try:
@@ -233,11 +243,7 @@ def test_native_reentrant_with_parameter_arguments(steps):
         for x in xs:
             x.stop_gradient = False
             y = native_recompute(
-                lambda a, w, b: paddle.tanh(paddle.nn.functional.linear(a, w, b)),
-                x,
-                lin.weight,
-                lin.bias,
-                use_reentrant=True,
+                outer if nested else block, x, lin.weight, lin.bias, use_reentrant=True
             )
             y.sum().backward()
     finally:
@@ -247,12 +253,14 @@ def test_native_reentrant_with_parameter_arguments(steps):
     for x in xs:
         xn = x.numpy().astype("f8")
         dz = 1 - np.tanh(xn @ w + b) ** 2
+        dz *= 2 if nested else 1
         ref_w, ref_b = ref_w + xn.T @ dz, ref_b + dz.sum(0)
     assert lin.weight.grad is None and lin.bias.grad is None
     # Paddle 2.6 hands the PyLayer a tagged EagerParamBase copy: the fused op writes into the
     # real main_grad.  Paddle 3.x hands a plain shared tensor (no link to the parameter): the
     # op returns a fresh gradient that MixPrecisionLayer's hook adds -- correct, not fused.
-    assert stats.linear["into_main_grad"] - before == (2 * steps if PADDLE2 else 0)
+    linears = 2 if nested else 1
+    assert stats.linear["into_main_grad"] - before == (2 * linears * steps if PADDLE2 else 0)
     np.testing.assert_allclose(lin.weight.main_grad.numpy(), ref_w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lin.bias.main_grad.numpy(), ref_b, rtol=1e-5, atol=1e-6)
 
@@ -615,3 +623,34 @@ def test_the_replayed_linear_leaves_grad_mode_as_it_found_it():
             assert paddle.is_grad_enabled() is enabled
         np.testing.assert_allclose(y.numpy(), (x @ w + b).numpy(), rtol=1e-6)
     assert [s is x for s in saved] == [True, True]  # x handed to the pack hook, as the PyLayer
+
+
+@pytest.mark.parametrize("p_dtype", ["float64", "float16"])
+@pytest.mark.parametrize("transpose_weight", [False, True])
+@pytest.mark.parametrize("want", [(True, True), (True, False), (False, True)])
+def test_plain_param_grads_come_in_the_parameters_dtypes(transpose_weight, want, p_dtype):
+    """``plain_param_grads`` (a ``paddle.grad`` pass's weight/bias gradients) returns new tensors
+    in the parameters' dtypes, as Paddle's linear does, whatever dtype the product ran in:
+    float64 or float16 parameters of a float32 product get the float32 gradients in theirs."""
+    from paddle_mgrad.linear import plain_param_grads
+
+    rs = np.random.RandomState(5)
+    x = rs.standard_normal([2, 3, 4]).astype("float32")
+    dy = rs.standard_normal([2, 3, 5]).astype("float32")
+    w = paddle.zeros([5, 4] if transpose_weight else [4, 5], dtype=p_dtype)
+    b = paddle.zeros([5], dtype=p_dtype)
+    dw, db = plain_param_grads(
+        paddle.to_tensor(x), paddle.to_tensor(dy), w, b, transpose_weight, *want
+    )
+    x2, dy2 = x.reshape(-1, 4), dy.reshape(-1, 5)
+    for got, wanted, expected in ((dw, want[0], x2.T @ dy2), (db, want[1], dy2.sum(0))):
+        if not wanted:
+            assert got is None
+            continue
+        assert got.dtype == getattr(paddle, p_dtype)
+        if transpose_weight and got is dw:
+            expected = expected.T
+        tol = 1e-5 if p_dtype == "float64" else 2e-3  # (within an ulp of float16)
+        np.testing.assert_allclose(
+            got.astype("float32").numpy(), expected.astype(p_dtype), rtol=tol, atol=tol
+        )

@@ -251,3 +251,47 @@ def test_under_a_recompute_policy_as_without_recompute(reduced, policy, use_reen
         assert counters["gemm"]["kept_bytes"] == 2 * 5 * 6 * 4
     else:
         assert counters == {}
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_kept_output_of_a_frozen_overlap_linear_comes_back_needing_no_gradient(
+    reduced, use_reentrant
+):
+    """A frozen overlap linear fed by a tensor that needs no gradient (a LoRA base layer after a
+    frozen embedding): its output needs none in the forward, so the op after it saves nothing of
+    it there; under ``gemm`` the recomputation hands the kept output back needing none too, and
+    the ops after it save what they saved in the forward: bit-identical to no recompute."""
+    paddle.seed(3)
+    layer = nonzero_biases(paddle.nn.Linear(8, 6))
+    for p in layer.parameters():
+        p.stop_gradient = True
+    scale = paddle.create_parameter([6], "float32")
+    scale.set_value(np.linspace(0.5, 1.5, 6).astype("float32"))
+    x_np = np.random.RandomState(5).standard_normal((2, 5, 8)).astype("float32")
+
+    def block(x):
+        y = _apply(mp_layers.InnerOverlapLinear, x, layer, True)
+        return paddle.sin(y) * scale
+
+    def run(recompute):
+        scale.clear_gradient()
+        x = paddle.to_tensor(x_np)  # needs no gradient
+        y = (
+            paddle_mgrad.recompute(block, x, use_reentrant=use_reentrant, policy="gemm")
+            if (recompute)
+            else block(x)
+        )
+        (y * y).sum().backward()
+        return [y.numpy(), scale.grad.numpy()]
+
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        plain = run(False)
+        stats.reset()
+        ours = run(True)
+        counters = stats.snapshot()["policy"]
+    finally:
+        paddle_mgrad.disable()
+    for a, b in zip(ours, plain):
+        np.testing.assert_array_equal(a, b)
+    assert counters["gemm"]["gemms_not_recomputed"] == 1
