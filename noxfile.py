@@ -1,6 +1,7 @@
 """Test matrix: each Paddle version in its own virtualenv with its pins.
 
-    pip install nox && nox -s tests      # the test suite on Paddle 3.3.1 and 2.6.2
+    pip install nox && nox -s tests      # the test suite on Paddle 3.3.1 and 2.6.2 (in-process)
+    nox -s probes                        # the tests that start a process (builds, crash probes)
     pip install nox && nox -s demo       # the main job (llama example) on Paddle 3.3.1
     nox -s gpu_wheel                     # paddlepaddle-gpu 2.6.2: our CUDA op JIT-built (no GPU needed)
     nox -s cuda_compile                  # nvcc-compile + link the Paddle-free CUDA core
@@ -204,22 +205,36 @@ def _explained_mutants(doc, modules):
     return names
 
 
+# The unit suite: tests/ without the families that need PaddleNLP, PaddleFormers or 2 ranks.
+UNIT_TESTS = [
+    "tests",
+    "--ignore=tests/nlp",
+    "--ignore=tests/fleet/launch",
+    "--ignore=tests/formers",
+]
+
+
 @nox.session
 @nox.parametrize("paddle", list(PADDLE_PINS))
 @_frees_venv
 def tests(session, paddle):
-    """pytest on one Paddle version (both by default)."""
+    """pytest on one Paddle version (both by default): every unit test that runs inside the
+    test process -- all but the ``probe`` ones (tests/conftest.py), which ``nox -s probes``
+    runs.  Minutes for both versions; CI runs both sessions."""
     _install(session, paddle)
-    session.run(
-        *PYTEST,
-        *XDIST,
-        "tests",
-        "--ignore=tests/nlp",
-        "--ignore=tests/fleet/launch",
-        "--ignore=tests/formers",
-        *session.posargs,
-        env=ENV,
-    )
+    session.run(*PYTEST, *XDIST, *UNIT_TESTS, "-m", "not probe", *session.posargs, env=ENV)
+
+
+@nox.session
+@nox.parametrize("paddle", list(PADDLE_PINS))
+@_frees_venv
+def probes(session, paddle):
+    """The unit tests that start a process (``probe``, tests/conftest.py): real builds of the op
+    (killed, corrupt, healed, ahead of time), crash probes in a fresh interpreter, what an
+    import or the ``.pth`` hook does at interpreter start, the doctor, launcher retries, the
+    Paddle-free GPU script.  Most of the unit suite's time; CI runs it after ``tests``."""
+    _install(session, paddle)
+    session.run(*PYTEST, *XDIST, *UNIT_TESTS, "-m", "probe", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -361,15 +376,13 @@ def gpu_wheel(session):
     )
     session.run("python", doctor, "cuda", env=dict(ENV, PADDLE_MGRAD_CACHE=caches["cuda"]))
     session.chdir(root)
-    # The CPU suite on the GPU wheel, reusing the CUDA build.  (Paddle picks the CPU place.)
+    # The CPU suite on the GPU wheel, probes included, reusing the CUDA build.  (Paddle picks the
+    # CPU place.)
     # Deselected: a test that needs our op WITHOUT its CUDA part (here it has one).
     session.run(
         *PYTEST,
         *XDIST,
-        "tests",
-        "--ignore=tests/nlp",
-        "--ignore=tests/fleet/launch",
-        "--ignore=tests/formers",
+        *UNIT_TESTS,
         "--deselect",
         "tests/test_trainer.py::test_fused_linear_on_gpu_without_cuda_build_is_refused",
         *session.posargs,

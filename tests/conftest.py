@@ -12,6 +12,7 @@ import paddle
 import pytest
 
 import paddle_mgrad
+import process_starts
 from helpers import TESTS
 from paddle_mgrad.autograd import passes
 
@@ -68,13 +69,17 @@ def pytest_configure(config):
         f"{HEAVY}: a real build of the op or a nested suite (~20-60 s): scheduled "
         "first, spread over the xdist workers (see pytest_collection_modifyitems)",
     )
+    config.pluginmanager.register(process_starts, "process_starts")
     if getattr(config, "workerinput", None) is not None:
         _private_worker_cache(config)
-    elif getattr(config.option, "numprocesses", None) and not config.option.collectonly:
+    elif not config.option.collectonly:
         from paddle_mgrad import ops
 
-        ops.load()  # the controller: build the suite's op once (kept in the cache after)
-        _bench_module_core()  # and the test library (the capi fixture's)
+        # the controller (or the one process): build the suite's op once (kept in the cache
+        # after), and the test library (the capi fixture's) -- before any test, so that no
+        # test but a probe starts the compiler
+        ops.load()
+        _bench_module_core()
 
 
 def _private_worker_cache(config):

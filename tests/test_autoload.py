@@ -97,6 +97,7 @@ def test_parse_activation_rejects_with_one_line(value):
     )
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("value", [None, "", "0"])
 def test_unset_imports_nothing(tmp_path, value):
     extra = {} if value is None else {"PADDLE_MGRAD": value}
@@ -112,6 +113,7 @@ def test_unset_imports_nothing(tmp_path, value):
     assert "paddle_mgrad" not in r.stderr
 
 
+@pytest.mark.probe
 def test_all_enables_at_first_paddle_import(tmp_path):
     r = run_py(
         (
@@ -144,6 +146,7 @@ def test_all_enables_at_first_paddle_import(tmp_path):
     assert lines[0].endswith(") via PADDLE_MGRAD")
 
 
+@pytest.mark.probe
 def test_import_paddle_mgrad_before_paddle(tmp_path):
     """paddle_mgrad's own __init__ imports paddle: activation waits until the package is whole."""
     r = run_py(
@@ -160,6 +163,7 @@ def test_import_paddle_mgrad_before_paddle(tmp_path):
     assert len(activation_lines(r.stderr)) == 1, r.stderr
 
 
+@pytest.mark.probe
 def test_one_feature_and_rank_prefix(tmp_path):
     r = run_py(
         """
@@ -183,6 +187,7 @@ ZLIB_AFTER_PADDLE = """
 """
 
 
+@pytest.mark.probe
 def test_zlib_after_paddle_works_with_the_switch(tmp_path):
     """Paddle 2.6 crashes when zlib is used after `import paddle` (its libpaddle exports
     zlib's symbols); with PADDLE_MGRAD set, zlib is imported first."""
@@ -196,6 +201,7 @@ def test_zlib_after_paddle_works_with_the_switch(tmp_path):
         assert r.returncode != 0 and "zlib ok" not in r.stdout
 
 
+@pytest.mark.probe
 def test_bad_value_is_one_line_and_exit_2_at_first_paddle_import(tmp_path):
     code = """
         print("before paddle", flush=True)
@@ -214,6 +220,7 @@ def test_bad_value_is_one_line_and_exit_2_at_first_paddle_import(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "no paddle"
 
 
+@pytest.mark.probe
 def test_report_at_exit(tmp_path):
     report = tmp_path / "report"
     r = run_py(
@@ -235,6 +242,7 @@ def test_report_at_exit(tmp_path):
     assert data["recompute"]["non_reentrant"] == 1 and data["recompute"]["recomputations"] == 1
 
 
+@pytest.mark.probe
 def test_pip_install_puts_the_pth_into_site_packages(tmp_path):
     """`pip install --no-build-isolation .` (as noxfile does) and the wheel (`pip install .`):
     the .pth and the module it imports land at the top of site-packages."""

@@ -327,6 +327,7 @@ def bad_at_import():
     return {name: (lines.get(name, ""), r.stdout + r.stderr[-2000:]) for name, _ in BAD_AT_IMPORT}
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("name,text", BAD_AT_IMPORT)
 def test_import_paddle_mgrad_raises_env_error(name, text, bad_at_import):
     """Once ignored silently (PADDLE_MGRAD_OPS, PADDLE_MGRAD_CPU_FP64_KERNEL) or read as "on"
@@ -340,6 +341,7 @@ def test_import_paddle_mgrad_raises_env_error(name, text, bad_at_import):
     ), out
 
 
+@pytest.mark.probe
 def test_valid_environment_imports_and_uses_the_values():
     code = (
         textwrap.dedent(IMPORT) + "from paddle_mgrad import ops\nprint('BACKEND', ops.backend())\n"
@@ -355,6 +357,7 @@ def test_valid_environment_imports_and_uses_the_values():
     assert "IMPORTED" in r.stdout and "BACKEND python" in r.stdout, r.stdout
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("first", ["paddle", "paddle_mgrad"])
 def test_pth_hook_bad_knob_is_one_line_and_exit_2(tmp_path, first):
     """With PADDLE_MGRAD set, the .pth start-up hook activates at the first `import paddle` (or
@@ -379,6 +382,7 @@ def test_pth_hook_bad_knob_is_one_line_and_exit_2(tmp_path, first):
     ], r.stderr[-3000:]
 
 
+@pytest.mark.probe
 def test_pth_hook_good_knobs_still_activate(tmp_path):
     r = run_py(
         "import paddle, paddle_mgrad; print(paddle_mgrad.enabled())",
@@ -414,6 +418,7 @@ def _source_copy(tmp_path):
     return src
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize(
     "text,builds", [("false", False), ("0", False), ("", False), ("garbage", None)]
 )

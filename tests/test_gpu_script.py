@@ -87,6 +87,7 @@ def test_include_and_lib_dir_search_finds_toolkit_then_wheels(tmp_path, monkeypa
     assert gpu.cuda_include_dirs(no_wheel) == [str(home / "include")]
 
 
+@pytest.mark.probe
 def test_paddle_free_cpu_core_through_ctypes(tmp_path):
     rc = gpu.main(["--cpu-core", "--out", str(tmp_path)])
     assert rc == 0
@@ -103,6 +104,7 @@ def cpu_core_library(tmp_path_factory):
     return gpu.build(str(tmp_path_factory.mktemp("cpu_core")), cuda=False)
 
 
+@pytest.mark.probe
 def test_core_rejects_bad_dtype_code(cpu_core_library):
     core = gpu.Core(cpu_core_library, cuda=False)
     x = np.zeros([2, 2], "float32")
@@ -113,6 +115,7 @@ def test_core_rejects_bad_dtype_code(cpu_core_library):
     assert rc == 1 and b"dtype code" in err.value
 
 
+@pytest.mark.probe
 def test_script_shares_the_packages_build_config_and_needs_no_paddle():
     """One build configuration: the script loads paddle_mgrad/ops/build_config.py by path, and
     that works with Paddle unimportable (the H200 box has CUDA + torch, no Paddle)."""
@@ -257,6 +260,7 @@ def test_core_report_fields():
     assert gpu.info_field(info, "nothing") is None
 
 
+@pytest.mark.probe
 def test_cpu_library_carries_the_decisions_and_no_cuda(cpu_core_library):
     core = gpu.Core(cpu_core_library, cuda=False)
     assert core.lib.pmg_has_cuda() == 0

@@ -57,6 +57,7 @@ def _run(tmp_path, mode, failure=0):
     return launch([str(script), mode, marker], out_dir, 2, env, 300, tmp_path), out_dir
 
 
+@pytest.mark.probe
 def test_abort_after_training_is_repeated_once(tmp_path):
     (rc, out), out_dir = _run(tmp_path, "once")
     assert rc == 0, out[-3000:]
@@ -64,6 +65,7 @@ def test_abort_after_training_is_repeated_once(tmp_path):
     assert (tmp_path / "out.aborted" / "log" / "workerlog.0").is_file()
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("failure", range(len(RENDEZVOUS_FAILURES)))
 def test_a_failed_rendezvous_is_repeated_once(tmp_path, failure):
     (rc, out), out_dir = _run(tmp_path, "refused_once", failure)
@@ -73,6 +75,7 @@ def test_a_failed_rendezvous_is_repeated_once(tmp_path, failure):
     assert all(s in first for s in RENDEZVOUS_FAILURES[failure])
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize(
     "mode",
     [
@@ -94,6 +97,7 @@ def test_other_failures_are_returned(tmp_path, mode):
         assert not (tmp_path / "out.refused").exists()
 
 
+@pytest.mark.probe
 def test_a_launch_draws_its_ports_from_its_workers_range(tmp_path):
     """Paddle's launcher honours ``PORT_RANGE`` (launch_ports): every rank endpoint lies in it."""
     (rc, out), out_dir = _run(tmp_path, "clean")

@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
@@ -67,6 +69,7 @@ def test_scan_finds_every_form_of_conftest_import(tmp_path):
     assert conftest_imports(str(good)) == []
 
 
+@pytest.mark.probe
 def test_a_bare_pytest_collects_tests_alone(tmp_path):
     # the checkout's pytest configuration in a tree of its own: a test under tests/, one under
     # mutants/tests/ (as mutmut leaves it) and one at the top; the bare run may see the first only

@@ -368,6 +368,7 @@ def _hooks_scenario(mode, steps=3):
     }
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("mode", HOOK_MODES)
 def test_parameter_hooks_as_plain_paddle(mode):
     """A user hook on a weight or bias sees the gradient and its return value takes effect
@@ -458,6 +459,7 @@ def _second_backward_scenario(mode):
     return out
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("mode", RETAIN_MODES)
 def test_second_backward_is_an_error_not_a_crash(mode):
     """y.sum().backward(retain_graph=True); y.sum().backward() through a fused linear: plain

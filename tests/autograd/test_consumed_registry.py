@@ -71,6 +71,7 @@ def _child(code, *args):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+@pytest.mark.probe
 def test_registry_stays_bounded_and_a_live_consumed_node_survives_every_purge():
     out = _child(CHILD)
     assert out["max"] <= 5, out  # purged at 4 entries: the retained node and the newest
@@ -111,6 +112,7 @@ print("RESULT " + json.dumps({"seen_before": seen, "ok": all(
 """
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("mode", ["plain", "non_reentrant", "reentrant"])
 def test_first_paddle_grad_finds_nodes_whose_outputs_died(mode):
     """The first ``paddle.grad`` of a process (so no forward recorded its node's address, see

@@ -162,6 +162,7 @@ CASES = [
 ]
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("fail,mode,fused", CASES)
 def test_next_step_equals_a_fresh_process(fail, mode, fused, fresh_process):
     _, kind, text = FAILURES[fail]

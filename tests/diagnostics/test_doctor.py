@@ -74,6 +74,7 @@ def current_build_dir():
 
 
 # ------------------------------------------------------------------ healthy
+@pytest.mark.probe
 def test_healthy_install(tmp_path):
     """Everything works: exit 0, no problem, the self-test says what this Paddle does."""
     current_build_dir()  # built once for the session cache: the doctor only loads it
@@ -107,6 +108,7 @@ def test_healthy_install(tmp_path):
         assert d["needs_paddle_mgrad"].startswith("keeps main_grad")
 
 
+@pytest.mark.probe
 def test_paddle_without_cuda(tmp_path):
     """CPU Paddle: the GPU says 'none', an incomplete CUDA toolkit is not a problem (text mode).
     On a CUDA Paddle (the gpu_wheel session runs this suite on paddlepaddle-gpu) the same
@@ -140,6 +142,7 @@ def _fake_cuda_home(tmp_path):
     return home
 
 
+@pytest.mark.probe
 def test_cuda_paddle_missing_cublas_names_the_pip_command(tmp_path):
     """The same diagnosis on a CUDA Paddle (no CUDA wheel here: its facts, from a real CPU run
     with Paddle's CUDA flag and the op's GPU tier set as a CUDA wheel reports them): GPU tensors
@@ -175,6 +178,7 @@ def test_cuda_paddle_missing_cublas_names_the_pip_command(tmp_path):
 
 
 # ------------------------------------------------------------------ broken installs
+@pytest.mark.probe
 def test_missing_compiler(tmp_path):
     """No C++ compiler and a fresh cache: the op cannot be built; CPU tensors run the pure-Paddle
     fallback (the self-test is still exact); one problem naming the compiler and how to get one."""
@@ -221,6 +225,7 @@ def test_missing_compiler(tmp_path):
     assert "compiler: /nonexistent/c++ -> NOT FOUND" in r2.stdout
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 def test_corrupt_cache(tmp_path):
     """A truncated op library in the cache (``dlopen`` of it gives SIGBUS) with PADDLE_MGRAD=all:
@@ -255,6 +260,7 @@ def test_corrupt_cache(tmp_path):
     assert po["steps"]["selftest_paddle_mgrad"]["main_grad_ok"]
 
 
+@pytest.mark.probe
 def test_bad_env_values(tmp_path):
     """An invalid value, an invalid PADDLE_MGRAD (which would stop every other process at its
     first `import paddle` with exit code 2) and a misspelt name: one problem line each, with the
@@ -316,6 +322,7 @@ def test_pth_missing_while_variable_set(tmp_path, monkeypatch):
     assert [p for p in doctor.diagnose({"switch": sw}) if p["area"] == "switch on"] == []
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize(
     "how,expect",
     [
@@ -354,6 +361,7 @@ def test_command_line_detection():
     assert f'"{_cli.SCRIPT} = paddle_mgrad.__main__:main"' in setup
 
 
+@pytest.mark.probe
 def test_usage_and_unknown_command(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(
@@ -376,6 +384,7 @@ def test_usage_and_unknown_command(tmp_path):
     assert r.returncode == 2 and "unknown command 'doktor'" in r.stderr
 
 
+@pytest.mark.probe
 def test_a_failing_step_is_a_problem(tmp_path):
     """A step of the probes that raises (here: cpu_info, broken on purpose in the probe through a
     sitecustomize) is reported as the doctor's own problem, not silently left out."""

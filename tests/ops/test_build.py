@@ -54,6 +54,7 @@ def _probe(env_extra, pythonpath=None):
     )
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 def test_empty_library_heals_once_with_the_real_compiler_in_a_path_with_a_space(tmp_path):
     """A 0-byte cached library (Paddle's own build used to trip over the stale file forever) in
@@ -149,6 +150,7 @@ def aot_site(tmp_path_factory):
     return pip_install_target(source, target, env=dict(os.environ, PADDLE_MGRAD_BUILD_OPS="1"))
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 @pytest.mark.xdist_group("aot_site")  # one AOT install, one worker
 def test_ahead_of_time_build_needs_no_compile_at_runtime(tmp_path, aot_site):
@@ -165,6 +167,7 @@ def test_ahead_of_time_build_needs_no_compile_at_runtime(tmp_path, aot_site):
     assert os.listdir(cache) == []  # nothing built into the user cache
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 @pytest.mark.xdist_group("aot_site")  # one AOT install, one worker
 def test_tampered_prebuilt_library_is_not_loaded(tmp_path, aot_site):
@@ -190,6 +193,7 @@ def test_tampered_prebuilt_library_is_not_loaded(tmp_path, aot_site):
     assert COMPILING not in p.stdout + p.stderr
 
 
+@pytest.mark.probe
 def test_plain_install_after_an_ahead_of_time_build_ships_no_binaries(tmp_path):
     """pip builds in the source tree's build/: a _prebuilt left there by an AOT build must not
     end up in a later plain (JIT) install (it silently skipped the first-use build)."""
@@ -227,6 +231,7 @@ EXPECTED_PROBLEM = {
 }
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("how", list(EXPECTED_PROBLEM))
 def test_corrupt_library_is_never_loaded_and_is_rebuilt(tmp_path, how):
     """Crash probe (subprocess, no signal): ``import paddle, paddle_mgrad.ops as o;
@@ -259,6 +264,7 @@ def _compiler_at_work(cache):
     return any(n.endswith(".o") for _, _, names in os.walk(cache) for n in names)
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 def test_build_killed_half_way_then_restart(tmp_path):
     """kill -9 while the compiler runs, restart at once: the orphaned compiler keeps writing into

@@ -48,6 +48,7 @@ def _one_warning(res, *parts):
 
 
 # ------------------------------------------------------------------ the planted library
+@pytest.mark.probe
 @needs_root
 @pytest.mark.parametrize(
     "mode,marker,pth",
@@ -100,6 +101,7 @@ def test_planted_library_in_a_foreign_cache_never_runs(tmp_path, mode, marker, p
         assert "paddle_mgrad: recompute, fused_linear on (op: cpp-" in p.stderr
 
 
+@pytest.mark.probe
 def test_replaced_library_in_a_private_cache_is_not_loaded_but_rebuilt(tmp_path):
     """Our own cache, the library replaced, the marker kept: the hash differs, the file is never
     loaded, the key is rebuilt in a fresh directory (compiler step faked: a copy of the good
@@ -123,6 +125,7 @@ def test_replaced_library_in_a_private_cache_is_not_loaded_but_rebuilt(tmp_path)
 
 
 # ------------------------------------------------------------------ unsafe caches refused
+@pytest.mark.probe
 def test_group_writable_cache_is_refused_with_one_warning(tmp_path):
     """A complete, genuine build in a group-writable cache root: refused (one warning naming
     the path, the mode and the fix), the private cache serves the op, no crash, no build."""
@@ -143,6 +146,7 @@ def test_group_writable_cache_is_refused_with_one_warning(tmp_path):
     assert COMPILING not in p.stdout + p.stderr
 
 
+@pytest.mark.probe
 def test_refused_default_cache_falls_back_with_one_warning(tmp_path):
     """When the refused cache is the default one there is no private place left: the pure-Paddle
     fallback (same results), one warning naming the directory and the fix."""
@@ -164,6 +168,7 @@ def test_refused_default_cache_falls_back_with_one_warning(tmp_path):
     assert COMPILING not in p.stdout + p.stderr
 
 
+@pytest.mark.probe
 def test_trust_shared_cache_loads_it_and_still_warns(tmp_path):
     cache = tmp_path / "team-cache"
     key_dir = copy_build(cache)
@@ -186,6 +191,7 @@ def _read_only(cache):
     return ["unshare", "-m", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(cache)]
 
 
+@pytest.mark.probe
 def test_read_only_cache_with_a_complete_build_loads(tmp_path):
     """A complete build in a read-only cache loads with nothing written there: no lock, no
     warning, no build.  Without a build of this key it cannot build there: the private cache
@@ -210,6 +216,7 @@ def test_read_only_cache_with_a_complete_build_loads(tmp_path):
 
 
 # ------------------------------------------------------------------ links never followed
+@pytest.mark.probe
 def test_planted_lock_symlink_is_not_followed(tmp_path):
     """Symbolic links at the lock file's place (and at the old in-directory ``.lock``) pointing
     at a file of the user's: never opened through, never truncated; the cache is refused (one
@@ -250,6 +257,7 @@ def test_lock_and_failed_marker_open_without_following_links(tmp_path):
 
 
 # ------------------------------------------------------------------ what paddle_mgrad creates
+@pytest.mark.probe
 def test_created_directories_are_private_and_files_not_writable_by_others(tmp_path):
     """Whatever the umask (002 here): the cache root and every directory created are 0700, no
     file is group/world-writable.  (Compiler step faked; the real build is checked in
@@ -277,6 +285,7 @@ def _tree_modes(tree):
     return modes(tree)
 
 
+@pytest.mark.probe
 def test_inspect_cache_reports_owner_and_mode_without_loading(tmp_path):
     """inspect_cache reads, never dlopens: a forged-marker planted library (which verifies by
     hash!) is reported as such and its constructor does not run."""
@@ -329,6 +338,7 @@ def test_report_directory_is_created_private(tmp_path, monkeypatch):
     assert len(os.listdir(reports)) == 1
 
 
+@pytest.mark.probe
 def test_report_naming_a_file_gives_one_warning_line_not_a_traceback(tmp_path):
     report = tmp_path / "report.json"
     report.write_text("not a directory\n")

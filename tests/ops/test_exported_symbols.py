@@ -84,6 +84,7 @@ def test_op_library_exports_exactly_the_listed_c_names_and_no_test_double():
         }
 
 
+@pytest.mark.probe
 def test_the_check_sees_the_test_library_for_what_it_is(capi):
     """The test library (the op library's C ABI plus wgrad_capi_testing.cc) fails the same
     check: the fakes and the probes are found, by name."""

@@ -500,6 +500,7 @@ GARBAGE = """
 """
 
 
+@pytest.mark.probe
 def test_garbage_arguments_never_crash(entry):
     r = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(GARBAGE)],

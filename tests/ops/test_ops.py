@@ -640,6 +640,7 @@ CHECK = """
 """
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 def test_portable_cpu_path_without_onednn(tmp_path):
     """The build for machines without oneDNN (blocked OpenMP GEMM) is correct too."""
@@ -655,12 +656,14 @@ def test_portable_cpu_path_without_onednn(tmp_path):
     assert "BACKEND cpp-portable" in r.stdout and "OK" in r.stdout
 
 
+@pytest.mark.probe
 def test_forced_python_fallback_warns_nothing_and_works():
     r = _run_isolated(CHECK, {"PADDLE_MGRAD_OPS": "python"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "BACKEND python" in r.stdout and "OK" in r.stdout
 
 
+@pytest.mark.probe
 def test_failed_build_falls_back_with_one_warning(tmp_path):
     code = """
         import os, warnings, zlib
@@ -1179,6 +1182,7 @@ CHUNK_ROWS_PROBE = """
 """
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize(
     "value", ["99999999999999999999", "9223372036854775807", "4611686018427387904"]
 )
@@ -1403,6 +1407,7 @@ ISA_CAPPED_TESTS = [
 ]
 
 
+@pytest.mark.probe
 @pytest.mark.heavy
 def test_bf16_and_fp16_paths_with_onednn_capped_at_avx2():
     """ONEDNN_MAX_CPU_ISA=AVX2 in a subprocess: the op reports no native bf16 (oneDNN will not

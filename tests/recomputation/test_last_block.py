@@ -399,6 +399,7 @@ def test_the_loss_heads_raise_over_the_forwards_peak_is_read_once_per_step():
     assert planner.head_raise == 1500
 
 
+@pytest.mark.probe
 @pytest.mark.parametrize("head", ["light", "heavy"])
 def test_what_keeping_the_last_block_costs_is_read_from_the_allocator(head):
     """In a fresh process (its allocator's peak its own): the measured step keeps its last

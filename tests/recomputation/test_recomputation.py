@@ -775,6 +775,7 @@ def test_reentrant_keyword_only_arguments():
     np.testing.assert_allclose(b.grad.numpy(), np.full([4], 2.0), rtol=1e-6)
 
 
+@pytest.mark.probe
 def test_second_backward_through_reentrant_recompute_is_an_error_not_a_crash():
     """Crash probe (subprocess, no signal): a second ordinary backward through the same
     reentrant recompute -- retain_graph then backward, backward twice, through another output
@@ -799,6 +800,7 @@ def test_second_backward_through_reentrant_recompute_is_an_error_not_a_crash():
         assert "already ran" in out["message"] and "use_reentrant=False" in out["message"]
 
 
+@pytest.mark.probe
 def test_plain_paddle_reentrant_recompute_crashes_on_a_second_backward():
     """For the record (why the guard exists): Paddle's own reentrant recompute dies on
     ``backward(retain_graph=True); backward()`` (SIGSEGV on 3.3.1 and 2.6.2).  If a Paddle

@@ -289,6 +289,7 @@ def _probe(code, timeout=120):
         )
 
 
+@pytest.mark.probe
 def test_crash_probe_recompute_beside_plain_autograd_threads():
     """One thread recomputes in a loop while two threads record autograd without recompute.
     Registering and emptying Paddle's unlocked slot for each recompute segfaulted within

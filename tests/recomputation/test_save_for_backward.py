@@ -298,6 +298,7 @@ def test_lm_head_function_fails_in_plain_paddle_under_recompute():
 
 
 # ------------------------------------------------------------------ a list of tensors
+@pytest.mark.probe
 def test_list_of_tensors_under_non_reentrant_recompute_no_signal():
     """``ctx.save_for_backward(x, [a, b])`` under non-reentrant recompute: Paddle's own unpack
     of the list segfaults the process (3.3.1, checked by hand; 2.6.2 first refuses CPU RNG);

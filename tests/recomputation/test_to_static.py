@@ -23,7 +23,7 @@ import pytest
 from helpers import PADDLE2, ROOT
 
 # heavy (two trainings); one worker runs them all: the module-scoped ``runs`` once, not per worker
-pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("to_static_runs")]
+pytestmark = [pytest.mark.heavy, pytest.mark.probe, pytest.mark.xdist_group("to_static_runs")]
 
 SCRIPT = """
 import json, sys, traceback
