@@ -654,3 +654,134 @@ def test_plain_param_grads_come_in_the_parameters_dtypes(transpose_weight, want,
         np.testing.assert_allclose(
             got.astype("float32").numpy(), expected.astype(p_dtype), rtol=tol, atol=tol
         )
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first_micro_step", "later"])
+def test_weight_and_bias_grads_of_float64_parameters_into_their_main_grad(first):
+    """``weight_and_bias_grads`` without dtype names at hand (the overlap linears, the
+    zero-bubble store call it so): float64 parameters accumulate into a float64 main_grad --
+    their master-gradient dtype -- in place, and nothing is refused."""
+    from paddle_mgrad.linear import weight_and_bias_grads
+
+    rs = np.random.RandomState(11)
+    x = paddle.to_tensor(rs.standard_normal([2, 3, 4]))
+    dy = paddle.to_tensor(rs.standard_normal([2, 3, 5]))
+    w = paddle.create_parameter([4, 5], "float64")
+    b = paddle.create_parameter([5], "float64", is_bias=True)
+    start = [None, None] if first else [rs.standard_normal(s) for s in ([4, 5], [5])]
+    for p, v in zip((w, b), start):
+        p.main_grad = None if v is None else paddle.to_tensor(v)
+    ptrs = [None if p.main_grad is None else p.main_grad.data_ptr() for p in (w, b)]
+    with paddle.no_grad():
+        out = weight_and_bias_grads(x, dy, w, b, False)
+    assert out == (None, None)  # everything went into main_grad
+    x2, dy2 = x.numpy().reshape(-1, 4), dy.numpy().reshape(-1, 5)
+    for p, v, ptr, g in zip((w, b), start, ptrs, (x2.T @ dy2, dy2.sum(0))):
+        assert p.main_grad.dtype == paddle.float64
+        if ptr is not None:
+            assert p.main_grad.data_ptr() == ptr  # in place
+        np.testing.assert_allclose(p.main_grad.numpy(), g + (0 if v is None else v), rtol=1e-12)
+
+
+def _with_accumulator(p, kind, rs):
+    """Give parameter ``p`` the gradient destination ``kind``: ``main_grad_none`` (first
+    micro-step), ``main_grad`` (a float32 one holding values), ``grad`` (a ``.grad`` of its own
+    dtype, from a backward: ones) or ``fresh`` (neither).  Returns what it holds before, float64."""
+    if kind == "main_grad_none":
+        p.main_grad = None
+        return 0.0
+    if kind == "main_grad":
+        v = rs.standard_normal(p.shape).astype("float32")
+        p.main_grad = paddle.to_tensor(v)
+        return v.astype("float64")
+    if kind == "grad":
+        (p.astype("float32") * 1.0).sum().backward()
+        assert p.grad is not None and p.grad.dtype == p.dtype
+        return np.ones(p.shape)
+    return 0.0
+
+
+# (no bias with a .grad: Paddle's add_ accumulates that one, as in Paddle's own backward, and its
+# CPU kernels have no bf16/fp16 add, with or without paddle_mgrad)
+@pytest.mark.parametrize("b_kind", ["none", "main_grad_none", "main_grad", "fresh"])
+@pytest.mark.parametrize("w_kind", ["main_grad_none", "main_grad", "grad", "fresh"])
+@pytest.mark.parametrize("transpose_weight", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_weight_and_bias_grads_of_half_precision_parameters(
+    dtype, transpose_weight, w_kind, b_kind
+):
+    """The fused op's accumulation for bf16/fp16 inputs and parameters, every kind of gradient
+    destination for weight and bias: ``main_grad`` is float32 (allocated so on the first
+    micro-step, else accumulated in place), a ``.grad`` of the parameter's dtype is accumulated
+    in place, a fresh gradient comes back in the parameter's dtype -- values as a float64
+    product of the same inputs."""
+    from paddle_mgrad.linear import weight_and_bias_grads
+
+    rs = np.random.RandomState(13)
+    K, N = 6, 5
+    x = paddle.to_tensor(rs.standard_normal([2, 3, K]).astype("float32")).astype(dtype)
+    dy = paddle.to_tensor(rs.standard_normal([2, 3, N]).astype("float32")).astype(dtype)
+    half = paddle.nn.initializer.Constant(0.5)  # (Paddle has no default initializer for these)
+    w = paddle.create_parameter(
+        [N, K] if transpose_weight else [K, N], dtype, default_initializer=half
+    )
+    b = None
+    if b_kind != "none":
+        b = paddle.create_parameter([N], dtype, is_bias=True, default_initializer=half)
+    before = {"w": _with_accumulator(w, w_kind, rs)}
+    if b is not None:
+        before["b"] = _with_accumulator(b, b_kind, rs)
+    ptrs = {
+        name: (p.main_grad if kind == "main_grad" else p.grad).data_ptr()
+        for name, p, kind in (("w", w, w_kind), ("b", b, b_kind))
+        if kind in ("main_grad", "grad")
+    }
+    with paddle.no_grad():
+        out_w, out_b = weight_and_bias_grads(x, dy, w, b, transpose_weight)
+    x2 = x.astype("float32").numpy().astype("float64").reshape(-1, K)
+    dy2 = dy.astype("float32").numpy().astype("float64").reshape(-1, N)
+    grads = {"w": dy2.T @ x2 if transpose_weight else x2.T @ dy2, "b": dy2.sum(0)}
+    for name, p, kind, out in (("w", w, w_kind, out_w), ("b", b, b_kind, out_b)):
+        if p is None:
+            assert out is None
+            continue
+        want = before[name] + grads[name]
+        if kind.startswith("main_grad"):
+            got = p.main_grad
+            assert out is None and got.dtype == paddle.float32, (name, got.dtype)
+            tol = 1e-5
+        elif kind == "grad":
+            got = p.grad
+            assert out is None and got.dtype == p.dtype
+            tol = 2e-2
+        else:
+            got = out
+            assert got.dtype == p.dtype, (name, got.dtype)
+            tol = 2e-2
+        if name in ptrs:
+            assert got.data_ptr() == ptrs[name], name  # in place
+        np.testing.assert_allclose(got.astype("float32").numpy(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, p_dtype", [("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64")]
+)
+def test_a_fresh_weight_gradient_is_accumulated_and_returned_in_the_parameters_dtype(
+    x_dtype, p_dtype
+):
+    """A weight without main_grad or .grad whose dtype is wider than the product's (a float32
+    parameter of a bf16/fp16 product, as under autocast; a float64 one of a float32 product),
+    and no bias to ride along: its gradient is accumulated in the parameter's dtype, not rounded
+    to the product's, and returned in it."""
+    from paddle_mgrad.linear import weight_and_bias_grads
+
+    rs = np.random.RandomState(17)
+    x = paddle.to_tensor(rs.standard_normal([3, 7, 6]).astype("float32")).astype(x_dtype)
+    dy = paddle.to_tensor(rs.standard_normal([3, 7, 5]).astype("float32")).astype(x_dtype)
+    w = paddle.create_parameter([6, 5], p_dtype)
+    with paddle.no_grad():
+        out_w, out_b = weight_and_bias_grads(x, dy, w, None, False)
+    assert out_b is None and out_w.dtype == getattr(paddle, p_dtype)
+    x2 = x.astype("float32").numpy().astype("float64").reshape(-1, 6)
+    dy2 = dy.astype("float32").numpy().astype("float64").reshape(-1, 5)
+    np.testing.assert_allclose(out_w.numpy(), x2.T @ dy2, rtol=1e-5, atol=1e-5)
