@@ -198,6 +198,22 @@ def test_paddle_grad_returns_plain_gradients(reduced, wrt):
     assert layer.weight.grad is None and layer.bias.grad is None
 
 
+def _bit_identical_with_recompute(run):
+    """``run(recompute)`` without, then with recompute (paddle_mgrad on): every array it returns
+    equal bit for bit; the recompute's policy counters."""
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        plain = run(False)
+        stats.reset()
+        ours = run(True)
+        counters = stats.snapshot()["policy"]
+    finally:
+        paddle_mgrad.disable()
+    for a, b in zip(ours, plain):
+        np.testing.assert_array_equal(a, b)
+    return counters
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("policy", ["full", "gemm", "gemm_in_place"])
 def test_under_a_recompute_policy_as_without_recompute(reduced, policy, use_reentrant):
@@ -234,16 +250,7 @@ def test_under_a_recompute_policy_as_without_recompute(reduced, policy, use_reen
         assert len(reduced) - before == 1  # one dx all-reduce per backward
         return [y.numpy(), x.grad.numpy()] + [p.main_grad.numpy() for p in layer.parameters()]
 
-    paddle_mgrad.enable(recompute=True, fused_linear=True)
-    try:
-        plain = run(False)
-        stats.reset()
-        ours = run(True)
-        counters = stats.snapshot()["policy"]
-    finally:
-        paddle_mgrad.disable()
-    for a, b in zip(ours, plain):
-        np.testing.assert_array_equal(a, b)
+    counters = _bit_identical_with_recompute(run)
     if in_place:
         assert counters["gemm"]["gemms_not_recomputed"] == 0
     elif policy == "gemm":
@@ -276,22 +283,12 @@ def test_a_kept_output_of_a_frozen_overlap_linear_comes_back_needing_no_gradient
     def run(recompute):
         scale.clear_gradient()
         x = paddle.to_tensor(x_np)  # needs no gradient
-        y = (
-            paddle_mgrad.recompute(block, x, use_reentrant=use_reentrant, policy="gemm")
-            if (recompute)
-            else block(x)
-        )
+        if recompute:
+            y = paddle_mgrad.recompute(block, x, use_reentrant=use_reentrant, policy="gemm")
+        else:
+            y = block(x)
         (y * y).sum().backward()
         return [y.numpy(), scale.grad.numpy()]
 
-    paddle_mgrad.enable(recompute=True, fused_linear=True)
-    try:
-        plain = run(False)
-        stats.reset()
-        ours = run(True)
-        counters = stats.snapshot()["policy"]
-    finally:
-        paddle_mgrad.disable()
-    for a, b in zip(ours, plain):
-        np.testing.assert_array_equal(a, b)
+    counters = _bit_identical_with_recompute(run)
     assert counters["gemm"]["gemms_not_recomputed"] == 1
