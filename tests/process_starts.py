@@ -18,11 +18,15 @@ import sys
 import pytest
 
 PROBE = "probe"
-# What any test may start (and any tool's ``--version``): tools that answer in milliseconds.
+# What any test may start: tools, and questions to any tool, that answer in milliseconds.
 QUICK_TOOLS = {
     "git": "the docs checks list the checkout's files",
     "nm": "the op library's exported symbols",
     "lscpu": "Paddle 2.6 runs it when a test first imports its auto_parallel topology module",
+}
+QUICK_QUESTIONS = {
+    ("--version",): "a compiler's version (part of the op's build key, the doctor's report)",
+    ("--list-gpu-code",): "the GPU targets an nvcc can build (the CUDA build's discovery)",
 }
 EVENTS = frozenset(("subprocess.Popen", "os.system", "os.posix_spawn", "os.spawn", "os.fork"))
 
@@ -38,7 +42,10 @@ class _Watch:
 def _audit(event, args):
     if _Watch.on and event in EVENTS:
         command = _command(event, args)
-        if os.path.basename(command[0]) not in QUICK_TOOLS and command[1:] != ["--version"]:
+        if (
+            os.path.basename(command[0]) not in QUICK_TOOLS
+            and tuple(command[1:]) not in QUICK_QUESTIONS
+        ):
             _Watch.started.append(" ".join(command)[:200])
 
 
