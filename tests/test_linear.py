@@ -785,3 +785,57 @@ def test_a_fresh_weight_gradient_is_accumulated_and_returned_in_the_parameters_d
     x2 = x.astype("float32").numpy().astype("float64").reshape(-1, 6)
     dy2 = dy.astype("float32").numpy().astype("float64").reshape(-1, 5)
     np.testing.assert_allclose(out_w.numpy(), x2.T @ dy2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transpose_weight", [False, True])
+@pytest.mark.parametrize("x_dtype", [None, "float32", "float64"])
+def test_input_grad_in_dys_dtype_then_xs(x_dtype, transpose_weight):
+    """``input_grad``: ``dx = dy · Wᵀ`` computed in ``dy``'s dtype -- a weight of another dtype
+    cast to it first -- and returned in ``x_dtype``, or in ``dy``'s when that is None (the
+    fleet linears, whose collective runs on it)."""
+    from paddle_mgrad.linear import input_grad
+
+    rs = np.random.RandomState(19)
+    dy = rs.standard_normal([2, 3, 5]).astype("float32")
+    w = rs.standard_normal([5, 4] if transpose_weight else [4, 5])  # float64: another dtype
+    dx = input_grad(paddle.to_tensor(dy), paddle.to_tensor(w), transpose_weight, x_dtype)
+    assert dx.dtype == getattr(paddle, x_dtype or "float32")
+    w32 = w.astype("float32")
+    want = dy @ (w32 if transpose_weight else w32.T)
+    np.testing.assert_allclose(dx.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "bias, weight_is_a_parameter", [(True, False), (False, False), (True, True)]
+)
+def test_plain_tensor_parameters_get_their_gradient_in_grad(dtype, bias, weight_is_a_parameter):
+    """Weight and bias as plain tensors that need a gradient, not parameters (on Paddle 2.6 such
+    a tensor has no ``__dict__``, so no ``main_grad`` to find) -- or only the bias so, beside a
+    weight with ``main_grad``: the fused linear gives a plain tensor the plain gradient in
+    ``.grad``, as Paddle's linear does."""
+    rs = np.random.RandomState(23)
+    x = paddle.to_tensor(rs.standard_normal([4, 5]).astype(dtype))
+    w = paddle.to_tensor(rs.standard_normal([5, 3]).astype(dtype), stop_gradient=False)
+    if weight_is_a_parameter:
+        w = paddle.create_parameter([5, 3], dtype)
+        w.set_value(rs.standard_normal([5, 3]).astype(dtype))
+        w.main_grad = None
+    b = (
+        paddle.to_tensor(rs.standard_normal([3]).astype(dtype), stop_gradient=False)
+        if bias
+        else None
+    )
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        before = stats.linear["backward"]
+        (paddle.nn.functional.linear(x, w, b) ** 2).sum().backward()
+        assert stats.linear["backward"] == before + 1  # ours
+    finally:
+        paddle_mgrad.disable()
+    x64, w64 = x.numpy().astype("f8"), w.numpy().astype("f8")
+    dy = 2 * (x64 @ w64 + (b.numpy() if bias else 0))
+    dw = w.main_grad if weight_is_a_parameter else w.grad
+    np.testing.assert_allclose(dw.numpy(), x64.T @ dy, rtol=1e-5)
+    if bias:
+        np.testing.assert_allclose(b.grad.numpy(), dy.sum(0), rtol=1e-5)
