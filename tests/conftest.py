@@ -101,6 +101,18 @@ def _private_worker_cache(config):
     os.environ["PADDLE_MGRAD_CACHE"] = cache
 
 
+# Families that train through launches and scripts of their own (their sessions: nox -s nlp,
+# fleet, nlp_fleet, nlp272, formers): every test there may start a process.
+PROBE_FAMILIES = ("nlp", "formers", os.path.join("fleet", "launch"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item):
+    rel = os.path.relpath(str(item.path), TESTS)
+    if any(rel == d or rel.startswith(d + os.sep) for d in PROBE_FAMILIES):
+        item.add_marker(process_starts.PROBE)
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``--dist worksteal``), order the tests so that each worker's first
     share starts with its part of the ``heavy`` ones.  worksteal hands worker k the next
