@@ -127,6 +127,67 @@ def test_cpu_fast_path_refusals_raise_the_python_checks_text(case, monkeypatch):
             np.testing.assert_array_equal(a.numpy(), b)  # nothing written
 
 
+def _strided_twin(t):
+    """A strided view holding ``t``'s values (a column slice of a buffer twice as wide; a
+    ``[n]`` tensor a ``[::2]`` slice), or ``t`` when it is None."""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    store = paddle.zeros(shape[:-1] + [2 * shape[-1]], t.dtype)
+    view = store[..., ::2] if len(shape) > 1 else store[::2]
+    paddle.assign(t, output=view)
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[c[0] for c in _bad_calls()])
+def test_checked_cpu_path_refusals_come_from_the_op(case, monkeypatch):
+    """The CPU calls the fast path declines (strided accumulators) are decided by the C++ op
+    too: the Python check runs only to word a refusal the op made, before anything was written
+    into the views, and the error is its text."""
+    require_cpp_op()
+    name, (x, dy, dw, db, mp, has_bias) = _bad_calls()[case]
+    if dw is None:  # (a valid one, for a call the fast path declines)
+        dw = paddle.ones([x.shape[-1], dy.shape[-1]])
+    dw, db = _strided_twin(dw), _strided_twin(db)
+    with pytest.raises(FusedLinearError) as want:
+        _inputs.check(x, dy, dw, db, mp, has_bias)
+    before = [None if a is None else a.numpy().copy() for a in (dw, db)]
+    events = []
+    real_check = _inputs.check
+    monkeypatch.setattr(_inputs, "check", lambda *a: events.append("check") or real_check(*a))
+    module = ops.load()
+    real_op = module.pmg_fused_wgrad_add
+
+    def op(*a):
+        events.append("op")
+        return real_op(*a)
+
+    monkeypatch.setattr(module, "pmg_fused_wgrad_add", op)
+    with pytest.raises(FusedLinearError, match=re.escape(str(want.value))):
+        ops.fused_linear_param_grad_add(x, dy, dw, db, mp, has_bias)
+    assert events == ["op", "check"], events
+    for b, a in zip(before, (dw, db)):
+        if b is not None:
+            np.testing.assert_array_equal(a.numpy(), b)  # nothing written
+
+
+def test_checked_cpu_path_skips_the_python_check_on_valid_calls(monkeypatch):
+    require_cpp_op()
+    calls = []
+    real = _inputs.check
+    monkeypatch.setattr(_inputs, "check", lambda *a: calls.append(1) or real(*a))
+    rs = np.random.RandomState(4)
+    x = paddle.to_tensor(rs.standard_normal([2, 4, 5]).astype("float32"))
+    dy = paddle.to_tensor(rs.standard_normal([2, 4, 3]).astype("float32"))
+    dw, db = _strided_twin(paddle.ones([5, 3])), _strided_twin(paddle.ones([3]))
+    out_w, out_b = ops.fused_linear_param_grad_add(x, dy, dw, db, True, True)
+    assert calls == [] and out_w is dw and out_b is db
+    x2, y2 = x.numpy().reshape(-1, 5).astype("f8"), dy.numpy().reshape(-1, 3).astype("f8")
+    np.testing.assert_allclose(dw.numpy(), 1 + x2.T @ y2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db.numpy(), 1 + y2.sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_fast_path_skips_the_python_check_on_valid_calls(monkeypatch):
     require_cpp_op()
     calls = []

@@ -2,8 +2,9 @@
 
 The op asks three questions of a call's tensors: their place as a string (:func:`place`: the
 input checks compare them), whether one is a GPU tensor (:func:`is_gpu`) or a CPU tensor
-(:func:`is_cpu`: the tier choice); and the tier choice asks whether a tier is forced
-(:func:`forced_tier`).  Outside :func:`override` the answers are Paddle's, from ``t.place``.
+(:func:`is_cpu`: the tier choice); the tier choice asks whether a tier is forced
+(:func:`forced_tier`), and the checked call whether anything is faked (:func:`faking`).
+Outside :func:`override` the answers are Paddle's, from ``t.place``.
 
 Tests reach devices this machine does not have, and tiers its build does not choose, through
 :func:`override` alone: the device choice is explicit state held here, which the rest of the
@@ -83,6 +84,12 @@ def forced_tier():
     the tier follows the place."""
     o = overridden
     return None if o is None else o.tier
+
+
+def faking() -> bool:
+    """An override is in effect: its faked places exist in Python only, so the Python input
+    checks decide the call (our op would see the tensors' real places)."""
+    return overridden is not None
 
 
 @contextlib.contextmanager

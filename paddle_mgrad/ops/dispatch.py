@@ -1,11 +1,19 @@
-"""The checked call: every input checked in Python, then the tier for its place runs it.
+"""The checked call: the tier for the call's place runs it, checked before anything is written.
 
 :func:`fused_linear_param_grad_add` first offers the call to the fast CPU path
-(:func:`.entries.fast_cpu_call`); any other call is checked (:func:`._inputs.check`) before
-anything is written and runs on the tier :func:`tier_for` picks: our C++ op (CPU, or CUDA when
-built), Paddle's own ``_C_ops.fused_linear_param_grad_add`` (``paddle-fused``), or the
-pure-Paddle reference (:mod:`._reference`).  A strided ``dweight``/``dbias`` is computed in a
-contiguous copy and written back into the view.
+(:func:`.entries.fast_cpu_call`); any other call runs on the tier :func:`tier_for` picks: our
+C++ op (CPU, or CUDA when built), Paddle's own ``_C_ops.fused_linear_param_grad_add``
+(``paddle-fused``), or the pure-Paddle reference (:mod:`._reference`).  A strided
+``dweight``/``dbias`` is computed in a contiguous copy and written back into the view.
+
+Who decides whether the call is valid: our op, where it runs (its checks are the input rules:
+``wgrad_op.cc``, ``pmg::check_places``/``check_args``, all made before it writes anything); the
+refusal is then worded by :func:`._inputs.check`, which raises the
+:class:`~paddle_mgrad.FusedLinearError` naming the shapes and dtypes.  :func:`._inputs.check`
+decides only where our op does not run: Paddle's fused op and the reference (a machine without
+a compiler has no op at all), operands that are not tensors (the op cannot be handed them), and
+calls under :func:`~paddle_mgrad.ops.override` (its faked places exist in Python only).
+``tests/ops/test_fast_entry.py`` draws calls and checks that both refuse the same ones.
 """
 
 from __future__ import annotations
@@ -20,6 +28,16 @@ from .strided import contiguous as _contiguous, is_strided as _strided
 _dtype_name = _inputs.dtype_name
 
 
+def _op_takes(x) -> bool:
+    """Whether our op runs a call with this ``x``: a CPU tensor, or a GPU tensor when the op's
+    CUDA part is built (the op checks every other input itself)."""
+    if load() is None:
+        return False
+    if devices.is_gpu(x):
+        return _loaded["gpu"] == "cuda"
+    return devices.is_cpu(x)
+
+
 def tier_for(x, dweight, dbias, multi_precision, has_bias, dout=None) -> str:
     """``'cpp'`` (our module, CPU or CUDA), ``'paddle-fused'`` or ``'python'`` for this call.
 
@@ -29,12 +47,11 @@ def tier_for(x, dweight, dbias, multi_precision, has_bias, dout=None) -> str:
     forced = devices.forced_tier()
     if forced is not None:
         return forced
-    module = load()
-    if not devices.is_gpu(x):
-        return "cpp" if module is not None and devices.is_cpu(x) else "python"
-    gpu = _loaded["gpu"]
-    if gpu == "cuda":
+    if _op_takes(x):
         return "cpp"
+    if not devices.is_gpu(x):
+        return "python"
+    gpu = _loaded["gpu"]
     if gpu == "paddle-fused":
         # Paddle's kernel computes M = x.numel() / K: K = 0 divides by zero (SIGFPE), and an
         # MoE expert that got no tokens (M = 0) is a zero-size GEMM; the reference is exact.
@@ -71,9 +88,9 @@ def _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias):
     return hand_back(dweight, dbias, dw, db, has_bias)
 
 
-def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias):
-    """The checked call (contiguous accumulators) on the tier for its place."""
-    tier = tier_for(x, dweight, dbias, multi_precision, has_bias, dout=dout)
+def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias, tier):
+    """The call (contiguous accumulators) on ``tier``; on the ``cpp`` tier our op decides
+    whether it is valid (the module's docstring)."""
     if tier == "paddle-fused":
         return _paddle_fused(x, dout, dweight, dbias, multi_precision, has_bias)
     module = _loaded["module"] if tier == "cpp" else None
@@ -83,11 +100,17 @@ def _on_tier(x, dout, dweight, dbias, multi_precision, has_bias):
         return _reference.fused_linear_param_grad_add(
             x, dout, dweight, dbias, multi_precision, has_bias
         )
-    if devices.is_cpu(x):
-        check_cpu_knobs(_dtype_name(x.dtype))
     x, dout = _contiguous(x), _contiguous(dout)
-    with paddle.no_grad():
-        dw, db = module.pmg_fused_wgrad_add(x, dout, dweight, dbias, multi_precision, has_bias)
+    try:
+        if devices.is_cpu(x):  # (the EnvError of env.py's rules, after the input rules')
+            check_cpu_knobs(_dtype_name(x.dtype))
+        with paddle.no_grad():
+            dw, db = module.pmg_fused_wgrad_add(x, dout, dweight, dbias, multi_precision, has_bias)
+    except Exception:
+        # refused before anything was written: our words for a refusal of the input rules,
+        # else the error as raised
+        _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
+        raise
     return hand_back(dweight, dbias, dw, db, has_bias)
 
 
@@ -114,22 +137,30 @@ def fused_linear_param_grad_add(
 
 
 def _checked(x, dout, dweight, dbias, multi_precision, has_bias):
-    """The call the fast CPU path declined: every input checked before anything is written,
-    a strided accumulator written through, on the tier for its place."""
-    _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
+    """The call the fast CPU path declined: checked before anything is written (by our op where
+    it runs, else in Python: the module's docstring), a strided accumulator written through, on
+    the tier for its place."""
     if not has_bias:
         dbias = None
+    operands = (x, dout) + tuple(t for t in (dweight, dbias) if t is not None)
+    if not (
+        not devices.faking()
+        and all(isinstance(t, paddle.Tensor) for t in operands)
+        and _op_takes(x)
+    ):
+        _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
+    tier = tier_for(x, dweight, dbias, multi_precision, has_bias, dout=dout)
     if _strided(dweight) or _strided(dbias):
         # Paddle's custom-op runner would hand the C++ op a contiguous temporary and drop
         # what it wrote: compute into our own contiguous copies and write them back.
         w_tmp, b_tmp = _contiguous(dweight), _contiguous(dbias)
-        _on_tier(x, dout, w_tmp, b_tmp, multi_precision, has_bias)
+        _on_tier(x, dout, w_tmp, b_tmp, multi_precision, has_bias, tier)
         with paddle.no_grad():
             for view, tmp in ((dweight, w_tmp), (dbias, b_tmp)):
                 if view is not None and tmp is not view:
                     paddle.assign(tmp, output=view)
         return dweight, dbias
-    return _on_tier(x, dout, dweight, dbias, multi_precision, has_bias)
+    return _on_tier(x, dout, dweight, dbias, multi_precision, has_bias, tier)
 
 
 def accumulate_checked(x, dout, dweight, dbias, multi_precision, has_bias, x_name=None):

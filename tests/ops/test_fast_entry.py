@@ -626,18 +626,29 @@ def _wgrad_calls(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(call=_wgrad_calls())
 def test_the_op_and_the_python_check_refuse_the_same_calls(entry, call):
-    """Each input rule is the C++ core's (``check_args``): the op refuses a call exactly when
-    ``ops._inputs.check`` -- what raises the refusal as a FusedLinearError naming the shapes --
-    finds it bad, over calls hypothesis draws."""
+    """Each input rule is the C++ core's (``check_args``): the op -- through the library's fast
+    entry and through Paddle's custom-op dispatch, the two ways our code calls it -- refuses a
+    call exactly when ``ops._inputs.check`` (what words the refusal as a FusedLinearError
+    naming the shapes, and decides where the op does not run) finds it bad, over calls
+    hypothesis draws."""
     x, dy, dw, db, mp, has_bias = call
+    db = db if has_bias else None
     try:
         _inputs.check(x, dy, dw, db, mp, has_bias)
         python_refuses = False
     except Exception:  # noqa: BLE001 -- the verdict is compared
         python_refuses = True
-    op_refuses = entry.wgrad_add(x, dy, dw, db if has_bias else None, mp, has_bias) is None
+    entry_refuses = entry.wgrad_add(x, dy, dw, db, mp, has_bias) is None
+    try:
+        with paddle.no_grad():
+            ops.load().pmg_fused_wgrad_add(x, dy, dw, db, mp, has_bias)
+        op_refuses = False
+    except Exception:  # noqa: BLE001 -- the verdict is compared
+        op_refuses = True
     event(f"refused: {python_refuses}")
-    assert op_refuses == python_refuses, (
+    assert entry_refuses == op_refuses == python_refuses, (
+        entry_refuses,
+        op_refuses,
         python_refuses,
         [None if t is None else (list(t.shape), str(t.dtype)) for t in (x, dy, dw, db)],
         mp,
