@@ -172,23 +172,10 @@ def test_checked_cpu_path_refusals_come_from_the_op(case, monkeypatch):
             np.testing.assert_array_equal(a.numpy(), b)  # nothing written
 
 
-def test_checked_cpu_path_skips_the_python_check_on_valid_calls(monkeypatch):
-    require_cpp_op()
-    calls = []
-    real = _inputs.check
-    monkeypatch.setattr(_inputs, "check", lambda *a: calls.append(1) or real(*a))
-    rs = np.random.RandomState(4)
-    x = paddle.to_tensor(rs.standard_normal([2, 4, 5]).astype("float32"))
-    dy = paddle.to_tensor(rs.standard_normal([2, 4, 3]).astype("float32"))
-    dw, db = _strided_twin(paddle.ones([5, 3])), _strided_twin(paddle.ones([3]))
-    out_w, out_b = ops.fused_linear_param_grad_add(x, dy, dw, db, True, True)
-    assert calls == [] and out_w is dw and out_b is db
-    x2, y2 = x.numpy().reshape(-1, 5).astype("f8"), dy.numpy().reshape(-1, 3).astype("f8")
-    np.testing.assert_allclose(dw.numpy(), 1 + x2.T @ y2, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(db.numpy(), 1 + y2.sum(0), rtol=1e-5, atol=1e-5)
-
-
-def test_cpu_fast_path_skips_the_python_check_on_valid_calls(monkeypatch):
+@pytest.mark.parametrize("strided", [False, True], ids=["fast-path", "checked-path-strided"])
+def test_cpu_paths_skip_the_python_check_on_valid_calls(monkeypatch, strided):
+    """Valid calls never reach ``_inputs.check``: on the fast path (contiguous accumulators,
+    written in place) and on the checked path (strided views, written through)."""
     require_cpp_op()
     calls = []
     real = _inputs.check
@@ -197,6 +184,8 @@ def test_cpu_fast_path_skips_the_python_check_on_valid_calls(monkeypatch):
     x = paddle.to_tensor(rs.standard_normal([2, 4, 5]).astype("float32"))
     dy = paddle.to_tensor(rs.standard_normal([2, 4, 3]).astype("float32"))
     dw, db = paddle.ones([5, 3]), paddle.ones([3])
+    if strided:
+        dw, db = _strided_twin(dw), _strided_twin(db)
     pw = dw.data_ptr()
     out_w, out_b = ops.fused_linear_param_grad_add(x, dy, dw, db, True, True)
     assert calls == [] and out_w is dw and out_b is db and dw.data_ptr() == pw
