@@ -369,3 +369,37 @@ def test_incubate_fused_linear_left_to_paddle_keeps_its_arguments(transpose_weig
     np.testing.assert_array_equal(ours[0], plain[0])
     np.testing.assert_array_equal(ours[1], plain[1])
     np.testing.assert_allclose(plain[0], X3 @ W, rtol=1e-5, atol=1e-5)
+
+
+def _static_linear_output_name(fn, bias):
+    """The output variable's name of ``fn(x, weight, bias, name="user_named")`` in a program
+    built under Paddle's static graph (the old IR: there ``name`` names the output variable;
+    PIR and eager ignore it)."""
+    import contextlib
+
+    guard = getattr(getattr(paddle, "pir_utils", None), "OldIrGuard", contextlib.nullcontext)
+    with guard():
+        paddle.enable_static()
+        try:
+            with paddle.static.program_guard(paddle.static.Program(), paddle.static.Program()):
+                x = paddle.static.data("x", [2, 3], "float32")
+                layer = paddle.nn.Linear(3, 4, bias_attr=None if bias else False)
+                return fn(x, layer.weight, layer.bias, name="user_named").name
+        finally:
+            paddle.disable_static()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_static_graph_linear_keeps_its_name(bias):
+    """A program built under the static graph after ``enable(fused_linear=True)`` gets
+    Paddle's own ``F.linear``, ``name`` included: it names the output variable as without us.
+    (Paddle's incubate ``fused_linear`` builds no static program on a CPU: its op is not
+    registered there, and on 3.x its old-IR branch calls a PIR-only matmul.)"""
+    fn = paddle.nn.functional.linear
+    plain = _static_linear_output_name(fn, bias)
+    assert plain.startswith("user_named."), plain
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        assert _static_linear_output_name(fn, bias).startswith("user_named.")
+    finally:
+        paddle_mgrad.disable()
