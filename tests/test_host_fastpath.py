@@ -197,6 +197,69 @@ def test_cpu_paths_skip_the_python_check_on_valid_calls(monkeypatch, strided):
     np.testing.assert_allclose(w_new.numpy(), x2.T @ y2, rtol=1e-5, atol=1e-5)
 
 
+def test_the_forward_asks_no_main_grad_question_the_route_answered(monkeypatch):
+    """The forward checks each ``main_grad`` once, with what the route found: not at all
+    where the op library's fast entry already checked them all (``RouteFacts.main_grads``),
+    and with the dtype name the Python route read (no second question to Paddle) where not."""
+    require_cpp_op()
+    seen = []
+    real = L.check_main_grad
+    monkeypatch.setattr(
+        L, "check_main_grad", lambda p, p_name=None: seen.append(p_name) or real(p, p_name)
+    )
+    paddle.seed(5)
+    layer = paddle.nn.Linear(5, 3)
+    MixPrecisionLayer(layer, dtype="bfloat16")
+    x = paddle.randn([4, 5])
+    paddle_mgrad.enable(recompute=False, fused_linear=True)
+    try:
+        for first_micro_step in (True, False):
+            assert (layer.weight.main_grad is None) == first_micro_step
+            seen.clear()
+            before = stats.snapshot()["linear"]["forward"]
+            y = layer(x)  # the fast entry's route
+            assert stats.snapshot()["linear"]["forward"] == before + 1 and seen == []
+            with monkeypatch.context() as m:
+                m.setattr(ops, "fast_route", None)  # the Python route, as before the op loads
+                layer(x)
+            assert seen == ["float32", "float32"], seen  # weight and bias, by the name read
+            y.sum().backward()
+    finally:
+        paddle_mgrad.disable()
+
+
+@pytest.mark.parametrize("policy", [None, "full", "gemm"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_common_case_backward_takes_the_fast_path_under_every_policy(
+    monkeypatch, policy, reentrant
+):
+    """A CPU fp32 linear with ``main_grad`` takes the fast backward (the op library's entry)
+    outside recompute, inside it, and where a recompute policy keeps its output from the
+    forward: the route's facts reach the backward on every path."""
+    require_cpp_op()
+    checked = []
+    real = L._backward_checked
+    monkeypatch.setattr(L, "_backward_checked", lambda *a: checked.append(1) or real(*a))
+    paddle.seed(6)
+    net = paddle.nn.Sequential(paddle.nn.Linear(5, 6), paddle.nn.ReLU(), paddle.nn.Linear(6, 3))
+    MixPrecisionLayer(net, dtype="bfloat16")
+    x = paddle.randn([4, 5])
+    x.stop_gradient = False
+    paddle_mgrad.enable(recompute=True, fused_linear=True)
+    try:
+        for _ in range(2):  # first micro-step (main_grad None), then a later one
+            before = stats.snapshot()["linear"]["into_main_grad"]
+            if policy is None:
+                y = net(x)
+            else:
+                y = paddle_mgrad.recompute(net, x, use_reentrant=reentrant, policy=policy)
+            y.sum().backward()
+            assert stats.snapshot()["linear"]["into_main_grad"] == before + 4
+    finally:
+        paddle_mgrad.disable()
+    assert checked == []
+
+
 # ------------------------------------------------------------ events vs plain Paddle
 class _Pair:
     """The same Linear twice under MixPrecisionLayer: ``ours`` runs with the fused linear when
