@@ -23,9 +23,9 @@ would; after ``paddle_mgrad.enable(recompute=True)`` the name runs ours).  Four 
   ``fused linear`` row (full recompute) beside the one to Paddle's: what the policy's bookkeeping
   costs the host where the GEMMs it spares cost nearly nothing.
 
-All twelve cells run in ONE process, interleaved round by round (each round switches with
-``enable()``/``disable()``, and starts one cell later than the round before), so machine noise
-and what a cell leaves behind hit them alike.  Every step is timed on its own
+All twelve cells run in ONE process, interleaved round by round (each cell starts from
+``disable()`` and enables its row's configuration; each round starts one cell later than the
+round before), so machine noise hits them alike.  Every step is timed on its own
 in process CPU time (``time.process_time``); a cell's figure is the 10th percentile of its
 ``--rounds`` x ``--steps`` step times, with the median beside it.  These machines are shared
 VMs whose speed swings by 2x from second to second: the minimum over a few rounds of many steps
@@ -97,14 +97,15 @@ def build(args):
 
 
 def switch(row):
-    """Switch to ``row``'s configuration (a policy row: the fused linear, the policy set)."""
+    """Switch to ``row``'s configuration (a policy row: the fused linear, the policy set), from
+    ``disable()``: a cell has what a process of its configuration installs (the backward
+    wrappers a fused linear's or a recompute's first call installs), nothing another row left."""
     os.environ.pop(POLICY_ENV, None)
     if row.startswith(POLICY_ROW):
         os.environ[POLICY_ENV] = row[len(POLICY_ROW) :]
         row = "fused"
-    if ROWS[row] is None:
-        paddle_mgrad.disable()
-    else:
+    paddle_mgrad.disable()
+    if ROWS[row] is not None:
         paddle_mgrad.enable(**ROWS[row])
 
 
@@ -218,14 +219,6 @@ def add_arguments(ap, rounds):
     ap.add_argument("--rows", type=int, default=8)
 
 
-def cell_order(policies):
-    """The (row, recompute mode) cells in the order a round times them (each round starts one
-    cell later)."""
-    rows = [*ROWS, *(POLICY_ROW + p for p in policies)]
-    cells = [(r, m) for m in RECOMPUTE for r in rows]
-    return [(r, m) for r, m in cells if not (r.startswith(POLICY_ROW) and m == "none")]
-
-
 def main():
     ap = argparse.ArgumentParser()
     add_arguments(ap, rounds=15)
@@ -242,11 +235,6 @@ def main():
         import pstats
 
         row, rmode = args.profile.split(":")
-        # the cells before it run first, in the timed rounds' order: what a row installs on
-        # first use (the backward wrappers) stays for the rows after it until a disable()
-        order = cell_order(args.policies)
-        for r, m in order[: order.index((row, rmode))]:
-            run_cell(blocks, x0, r, m, 1)
         run_cell(blocks, x0, row, rmode, 5)
         switch(row)
         step = make_step(blocks, x0, rmode)
@@ -260,7 +248,8 @@ def main():
         return
 
     rows = [*ROWS, *(POLICY_ROW + p for p in args.policies)]
-    cells = cell_order(args.policies)
+    cells = [(r, m) for m in RECOMPUTE for r in rows]
+    cells = [(r, m) for r, m in cells if not (r.startswith(POLICY_ROW) and m == "none")]
     samples = {c: [] for c in cells}
     for i in range(args.rounds):
         # each round starts one cell later: no cell always runs right after the same other one
