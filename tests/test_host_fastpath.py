@@ -228,8 +228,17 @@ def test_the_forward_asks_no_main_grad_question_the_route_answered(monkeypatch):
         paddle_mgrad.disable()
 
 
-@pytest.mark.parametrize("policy", [None, "full", "gemm"])
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    "policy, reentrant",
+    [(None, None), ("full", False), ("full", True), ("gemm", False), ("gemm", True)],
+    ids=[
+        "no-recompute",
+        "full-non-reentrant",
+        "full-reentrant",
+        "gemm-non-reentrant",
+        "gemm-reentrant",
+    ],
+)
 def test_common_case_backward_takes_the_fast_path_under_every_policy(
     monkeypatch, policy, reentrant
 ):
