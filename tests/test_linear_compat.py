@@ -377,7 +377,8 @@ def _static_linear_output_name(fn, bias):
     PIR and eager ignore it)."""
     import contextlib
 
-    guard = getattr(getattr(paddle, "pir_utils", None), "OldIrGuard", contextlib.nullcontext)
+    # Paddle 2.6 builds old-IR programs; 3.x builds PIR ones unless asked for the old IR
+    guard = contextlib.nullcontext if PADDLE2 else paddle.pir_utils.OldIrGuard
     with guard():
         paddle.enable_static()
         try:
