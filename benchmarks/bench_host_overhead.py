@@ -253,7 +253,7 @@ def main():
     samples = {c: [] for c in cells}
     for i in range(args.rounds):
         # each round starts one cell later: no cell always runs right after the same other one
-        # (a fixed order read ~1 % high in a cell that runs none of our code)
+        # (what a cell leaves in the caches and the allocator falls on different cells)
         k = i % len(cells)
         for r, m in cells[k:] + cells[:k]:
             samples[r, m] += run_cell(blocks, x0, r, m, args.steps)

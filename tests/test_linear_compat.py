@@ -10,6 +10,8 @@ biases, dtype mixes), and Paddle 2.6's ``recompute_sequential``, which hands the
 whole argument tuple to the first layer of the last segment.
 """
 
+import contextlib
+
 import numpy as np
 import paddle
 import pytest
@@ -375,8 +377,6 @@ def _static_linear_output_name(fn, bias):
     """The output variable's name of ``fn(x, weight, bias, name="user_named")`` in a program
     built under Paddle's static graph (the old IR: there ``name`` names the output variable;
     PIR and eager ignore it)."""
-    import contextlib
-
     # Paddle 2.6 builds old-IR programs; 3.x builds PIR ones unless asked for the old IR
     guard = contextlib.nullcontext if PADDLE2 else paddle.pir_utils.OldIrGuard
     with guard():

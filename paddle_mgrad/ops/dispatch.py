@@ -143,13 +143,16 @@ def _checked(x, dout, dweight, dbias, multi_precision, has_bias):
     if not has_bias:
         dbias = None
     operands = (x, dout) + tuple(t for t in (dweight, dbias) if t is not None)
-    if not (
+    op_decides = (
         not devices.faking()
         and all(isinstance(t, paddle.Tensor) for t in operands)
         and _op_takes(x)
-    ):
+    )
+    if op_decides:  # (no override: no forced tier, and our op takes x: tier_for's "cpp")
+        tier = "cpp"
+    else:
         _inputs.check(x, dout, dweight, dbias, multi_precision, has_bias)
-    tier = tier_for(x, dweight, dbias, multi_precision, has_bias, dout=dout)
+        tier = tier_for(x, dweight, dbias, multi_precision, has_bias, dout=dout)
     if _strided(dweight) or _strided(dbias):
         # Paddle's custom-op runner would hand the C++ op a contiguous temporary and drop
         # what it wrote: compute into our own contiguous copies and write them back.
