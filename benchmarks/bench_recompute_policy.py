@@ -18,7 +18,10 @@ Memory: the peak of Paddle's host allocator during a step above what was allocat
 at the mode's peak (what trading memory for time uniformly would cost), how much less than the
 line the mode pays for recompute (``(line - time) / (line - 1)``), and whether it is on the
 Pareto front (no other mode both faster and lighter); ``--plot`` draws time against peak
-(matplotlib). Needs PaddleNLP (``pip install .[nlp]``). Name the CPU with every figure.
+(matplotlib). Also per mode: the spread of its round medians (max ÷ min - 1: how much the
+machine moved it between rounds) and the step's process CPU time ÷ none's with the same line
+drawn in CPU time (CPU time leaves out what a VM's host took from this one: at one thread it
+is the work the step did). Needs PaddleNLP (``pip install .[nlp]``). Name the CPU with every figure.
 
 Models (4 decoder layers, seq 512): small -- hidden 256, ffn 688, 8 heads, batch 2; wide --
 hidden 1024, ffn 2752, 16 heads, batch 1.
@@ -104,13 +107,13 @@ def main():
         base = core.host_memory_stat_current_value("Allocated", 0) if mem else 0
         if mem:
             HOST_MEMORY_RESET_PEAK("Allocated", 0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model(input_ids=inputs, labels=labels, use_cache=False)
         loss = out[0] if isinstance(out, (tuple, list)) else out.loss
         loss.backward()
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         peak = core.host_memory_stat_peak_value("Allocated", 0) - base if mem else None
-        return seconds, peak, float(loss)
+        return seconds, cpu, peak, float(loss)
 
     def run(mode):
         granularity = mode[len(NLP) :] if mode.startswith(NLP) else "full"
@@ -129,15 +132,17 @@ def main():
     for mode in modes:  # warm-up: op build, allocator
         run(mode)
     times = {m: [] for m in modes}
+    cpus = {m: [] for m in modes}
     peaks = {m: [] for m in modes}
     losses = {m: None for m in modes}
     stats.reset()
     for r in range(args.rounds):
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
             results = run(mode)
-            times[mode].append(statistics.median(s for s, _, _ in results))
-            peaks[mode].append(max((p for _, p, _ in results), default=None) if mem else None)
-            losses[mode] = [lo for _, _, lo in results]
+            times[mode].append(statistics.median(r[0] for r in results))
+            cpus[mode].append(statistics.median(r[1] for r in results))
+            peaks[mode].append(max(r[2] for r in results) if mem else None)
+            losses[mode] = [r[3] for r in results]
     counters = stats.snapshot()["policy"]
     threads = os.environ.get("OMP_NUM_THREADS", "?")
     print(
@@ -147,25 +152,38 @@ def main():
         f"heads, batch {batch}, seq {args.seq}; min over {args.rounds} rounds of the median "
         f"of {args.steps} steps"
     )
-    base_t, base_p = min(times["none"]), max(peaks["none"]) if mem else None
-    rel = {m: (min(times[m]) / base_t, max(peaks[m]) / base_p if mem else None) for m in modes}
+    base_p = max(peaks["none"]) if mem else None
+    rel = {
+        m: (min(times[m]) / min(times["none"]), max(peaks[m]) / base_p if mem else None)
+        for m in modes
+    }
+    cpu = {m: min(cpus[m]) / min(cpus["none"]) for m in modes}
     width = max(len(m) for m in modes)
     print(
         f"{'mode':{width}s} {'step ms':>9s} {'time/none':>10s} {'peak MiB':>9s} {'peak/none':>10s}"
-        f" {'line':>6s} {'below line':>10s} pareto"
+        f" {'line':>6s} {'below line':>10s} pareto {'spread':>7s} {'cpu/none':>9s} {'cpu below':>9s}"
     )
     for mode in modes:
         t, p = rel[mode]
-        cells = f"{'n/a':>9s} {'n/a':>10s}"
+        cells = f"{'n/a':>9s} {'n/a':>10s} {'':6s} {'':10s}   "
+        below = cpu_below = ""
         if mem:
             cells = f"{max(peaks[mode]) / 2**20:9.1f} {p:10.3f}"
             line = _line(rel["full"], p)
+            cpu_line = _line((cpu["full"], rel["full"][1]), p)
             if mode not in ("none", "full") and line > 1:
-                cells += f" {line:6.3f} {(line - t) / (line - 1):10.0%}"
+                below = f"{(line - t) / (line - 1):.0%}"
+                cpu_below = f"{(cpu_line - cpu[mode]) / (cpu_line - 1):.0%}"
+                cells += f" {line:6.3f} {below:>10s}"
             else:
                 cells += f" {'':6s} {'':10s}"
-            cells += "  *" if _pareto(rel, mode) else ""
-        print(f"{mode:{width}s} {min(times[mode]) * 1e3:9.1f} {t:10.3f} " + cells)
+            cells += "   *  " if _pareto(rel, mode) else "      "
+        spread = max(times[mode]) / min(times[mode]) - 1
+        print(
+            f"{mode:{width}s} {min(times[mode]) * 1e3:9.1f} {t:10.3f} "
+            + cells
+            + f" {spread:7.1%} {cpu[mode]:9.3f} {cpu_below:>9s}"
+        )
     if args.plot and mem:
         _plot(args.plot, rel, f"llama {args.model}, {cpu_name()}, Paddle {paddle.__version__}")
     same = all(losses[m] == losses["none"] for m in modes)
