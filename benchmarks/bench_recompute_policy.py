@@ -20,14 +20,17 @@ line the mode pays for recompute (``(line - time) / (line - 1)``), and whether i
 Pareto front (no other mode both faster and lighter); ``--plot`` draws time against peak
 (matplotlib). Also per mode: the spread of its round medians (max ÷ min - 1: how much the
 machine moved it between rounds) and the step's process CPU time ÷ none's with the same line
-drawn in CPU time (CPU time leaves out what a VM's host took from this one: at one thread it
-is the work the step did). Needs PaddleNLP (``pip install .[nlp]``). Name the CPU with every figure.
+drawn in CPU time (CPU time leaves out what a VM's host took from this one: at one thread it is
+the work the step did). Exits 1 unless every mode's losses and gradients (every ``main_grad``,
+zeroed before the mode's steps, hashed after them) are bit-identical to no recompute's. Needs
+PaddleNLP (``pip install .[nlp]``). Name the CPU with every figure.
 
 Models (4 decoder layers, seq 512): small -- hidden 256, ffn 688, 8 heads, batch 2; wide --
 hidden 1024, ffn 2752, 16 heads, batch 1.
 """
 
 import argparse
+import hashlib
 import os
 import statistics
 import sys
@@ -124,21 +127,27 @@ def main():
                 layer.enable_recompute = mode != "none"
         if mode not in ("none", "full") and not mode.startswith(NLP):
             os.environ[ENV] = mode
+        for p in params:  # (in place, outside the timed steps: the buffers stay allocated)
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
         try:
-            return [step() for _ in range(args.steps)]
+            results = [step() for _ in range(args.steps)]
         finally:
             os.environ.pop(ENV, None)
+        return results, _digest(params)
 
+    params = [p for p in model.parameters() if not p.stop_gradient]
     for mode in modes:  # warm-up: op build, allocator
         run(mode)
     times = {m: [] for m in modes}
     cpus = {m: [] for m in modes}
     peaks = {m: [] for m in modes}
     losses = {m: None for m in modes}
+    grads = {m: None for m in modes}  # a digest of every main_grad after the mode's steps
     stats.reset()
     for r in range(args.rounds):
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            results = run(mode)
+            results, grads[mode] = run(mode)
             times[mode].append(statistics.median(r[0] for r in results))
             cpus[mode].append(statistics.median(r[1] for r in results))
             peaks[mode].append(max(r[2] for r in results) if mem else None)
@@ -186,8 +195,12 @@ def main():
         )
     if args.plot and mem:
         _plot(args.plot, rel, f"llama {args.model}, {cpu_name()}, Paddle {paddle.__version__}")
-    same = all(losses[m] == losses["none"] for m in modes)
-    print(f"losses of the last round equal in all modes: {same}")
+    differ = [m for m in modes if (losses[m], grads[m]) != (losses["none"], grads["none"])]
+    same = not differ
+    print(
+        "losses and main_grad of the last round bit-identical in all modes: "
+        + ("True" if same else f"False (differ from none: {', '.join(differ)})")
+    )
     for name in args.policies:
         c = counters.get(name, {})
         print(
@@ -218,6 +231,17 @@ def main():
                 )
             )
     return 0 if same else 1
+
+
+def _digest(params):
+    """One hash of every parameter's ``main_grad`` (bits, in the parameters' order): the
+    gradients of a mode's steps, to compare across modes (a forward's loss alone would not see
+    a wrong gradient: no optimizer step runs)."""
+    h = hashlib.sha256()
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        h.update(b"none" if g is None else g.numpy().tobytes())
+    return h.hexdigest()
 
 
 def _line(full, peak):
