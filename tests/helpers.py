@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 import zlib  # noqa: F401  (before paddle: Paddle 2.6 clashes with zlib)
 
 import paddle
@@ -118,3 +119,26 @@ def register_counter_generator(monkeypatch):
     monkeypatch.setattr(mgr, "custom_get_state_func", lambda: counter["n"])
     monkeypatch.setattr(mgr, "custom_set_state_func", lambda n: counter.__setitem__("n", n))
     return counter
+
+
+class StandInPlace:
+    """A tensor place as the code asks it (``is_cpu_place``, ``is_gpu_place``,
+    ``gpu_device_id``): the host (``cpu``), GPU ``gpu``, or neither (an XPU, a custom device) --
+    for a decision about devices this machine has not."""
+
+    def __init__(self, cpu=False, gpu=None):
+        self.cpu, self.gpu = cpu, gpu
+
+    def is_cpu_place(self):
+        return self.cpu
+
+    def is_gpu_place(self):
+        return self.gpu is not None
+
+    def gpu_device_id(self):
+        return self.gpu
+
+
+def tensor_on(place):
+    """A stand-in tensor that has nothing but its ``place``."""
+    return types.SimpleNamespace(place=place)

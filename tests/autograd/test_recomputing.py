@@ -4,24 +4,15 @@ accelerator, the queue emptied at both ends, so that the time is the call's work
 launch (through a stand-in tensor on a non-CPU place and a stand-in ``synchronize``: no GPU
 here)."""
 
-import types
-
 import paddle
 import pytest
 
+from helpers import StandInPlace, tensor_on
 from paddle_mgrad.autograd import recomputing
 
 
-class _Place:
-    def __init__(self, cpu):
-        self.cpu = cpu
-
-    def is_cpu_place(self):
-        return self.cpu
-
-
 def _on(cpu):
-    return types.SimpleNamespace(place=_Place(cpu))
+    return tensor_on(StandInPlace(cpu=cpu))
 
 
 class _Clock:

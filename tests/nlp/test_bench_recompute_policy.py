@@ -10,7 +10,8 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from script_runs import ROOT, script_env
+
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_recompute_policy.py")
 POLICIES = ("gemm", "save:*MLP", "budget:0.5")
 GRANULARITIES = ("full_attn",)
@@ -20,8 +21,8 @@ def test_every_mode_trains_to_no_recomputes_losses_and_reports(tmp_path):
     """2 decoder layers, seq 64, the warm-up round and one more of 2 steps each: a ``budget:``
     plan is made (3 measured block calls and a backward), so its plan line is printed; each
     mode has its row; ``gemm`` recomputed no GEMM."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_MGRAD")}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = script_env()  # (no PADDLE_MGRAD variable: the script switches on what it measures)
+    env["PYTHONPATH"] = ROOT
     args = ["--model", "small", "--layers", "2", "--seq", "64", "--rounds", "1", "--steps", "2"]
     args += ["--policies", *POLICIES, "--granularities", *GRANULARITIES]
     run = subprocess.run(

@@ -2,10 +2,9 @@
 the host's on the CPU (Paddle 2.6 and 3.x), a GPU's by its device id (through stand-ins for
 Paddle's statistics: no GPU here), none elsewhere."""
 
-import types
-
 import paddle
 
+from helpers import StandInPlace, tensor_on
 from paddle_mgrad import _compat
 from paddle_mgrad.recomputation import memory
 
@@ -22,24 +21,6 @@ def test_the_host_statistics_follow_an_allocation():
     assert allocated.now() == before
 
 
-class _Place:
-    def __init__(self, cpu=False, gpu=None):
-        self.cpu, self.gpu = cpu, gpu
-
-    def is_cpu_place(self):
-        return self.cpu
-
-    def is_gpu_place(self):
-        return self.gpu is not None
-
-    def gpu_device_id(self):
-        return self.gpu
-
-
-def _tensor(place):
-    return types.SimpleNamespace(place=place)
-
-
 def test_a_gpu_tensor_reads_its_devices_statistics(monkeypatch):
     """A tensor on GPU 3 reads Paddle's device statistics of device 3 ("Allocated": what the
     allocator handed out, not what it reserved)."""
@@ -49,7 +30,7 @@ def test_a_gpu_tensor_reads_its_devices_statistics(monkeypatch):
         return lambda name, device: asked.append((which, name, device)) or 7
 
     monkeypatch.setattr(_compat, "DEVICE_MEMORY_STATS", (stat("now"), stat("peak")))
-    allocated = memory.allocated_on(_tensor(_Place(gpu=3)))
+    allocated = memory.allocated_on(tensor_on(StandInPlace(gpu=3)))
     assert (allocated.now(), allocated.peak()) == (7, 7)
     assert asked == [("now", "Allocated", 3), ("peak", "Allocated", 3)]
 
@@ -57,8 +38,8 @@ def test_a_gpu_tensor_reads_its_devices_statistics(monkeypatch):
 def test_places_without_statistics_read_none(monkeypatch):
     """A place that is neither the host nor a GPU (XPU, a custom device), or a Paddle without
     the statistics: None (the plan then counts no memory outside the blocks)."""
-    assert memory.allocated_on(_tensor(_Place())) is None
+    assert memory.allocated_on(tensor_on(StandInPlace())) is None
     monkeypatch.setattr(_compat, "HOST_MEMORY_STATS", None)
     monkeypatch.setattr(_compat, "DEVICE_MEMORY_STATS", None)
-    assert memory.allocated_on(_tensor(_Place(cpu=True))) is None
-    assert memory.allocated_on(_tensor(_Place(gpu=0))) is None
+    assert memory.allocated_on(tensor_on(StandInPlace(cpu=True))) is None
+    assert memory.allocated_on(tensor_on(StandInPlace(gpu=0))) is None
